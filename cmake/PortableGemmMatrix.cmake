@@ -1,0 +1,50 @@
+# pg_read_targets(<out_var>)
+#
+# Reads the build targets ("2.9", "2.10", ...) from version_matrix/matrix.json, the one
+# source of truth, optionally narrowed by the PORTABLE_GEMM_TARGETS cache option.
+# Also sets PG_MATRIX_JSON (the file's text) and PG_TARGET_INDEX_<version> in the caller.
+# Also defines pg_target_hex(<version> <out_var>): the TORCH_TARGET_VERSION encoding
+# (major << 56) | (minor << 48), e.g. 2.13 -> 0x020D000000000000 (not 0x0213...).
+function(pg_read_targets out_var)
+  set(matrix_file ${PROJECT_SOURCE_DIR}/version_matrix/matrix.json)
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${matrix_file})
+  file(READ ${matrix_file} matrix)
+  string(JSON n LENGTH "${matrix}" targets)
+  math(EXPR last "${n} - 1")
+  set(all "")
+  foreach(i RANGE ${last})
+    string(JSON v GET "${matrix}" targets ${i} version)
+    list(APPEND all ${v})
+    set(PG_TARGET_INDEX_${v} ${i} PARENT_SCOPE)
+  endforeach()
+  set(PG_MATRIX_JSON "${matrix}" PARENT_SCOPE)
+  set(chosen "")
+  if(PORTABLE_GEMM_TARGETS)
+    foreach(v IN LISTS PORTABLE_GEMM_TARGETS)
+      if(NOT v IN_LIST all)
+        message(FATAL_ERROR "PORTABLE_GEMM_TARGETS names '${v}', which is not a target in "
+                            "version_matrix/matrix.json (targets: ${all})")
+      endif()
+      list(APPEND chosen ${v})
+    endforeach()
+  else()
+    set(chosen ${all})
+  endif()
+  message(STATUS "portable_gemm: torch targets from version_matrix: ${chosen}")
+  set(${out_var} ${chosen} PARENT_SCOPE)
+endfunction()
+
+function(pg_target_hex version out_var)
+  string(REPLACE "." ";" parts ${version})
+  list(GET parts 0 major)
+  list(GET parts 1 minor)
+  math(EXPR hi "(${major} << 8) | ${minor}" OUTPUT_FORMAT HEXADECIMAL)  # 0x20d
+  string(SUBSTRING ${hi} 2 -1 hi)
+  string(LENGTH ${hi} len)
+  while(len LESS 4)
+    string(PREPEND hi "0")
+    string(LENGTH ${hi} len)
+  endwhile()
+  string(TOUPPER ${hi} hi)
+  set(${out_var} "0x${hi}000000000000" PARENT_SCOPE)
+endfunction()

@@ -1,0 +1,160 @@
+// portable_gemm kernel library: the torch-free API shared by every binding.
+//
+// Everything here is plain data: pointers, sizes, strides (in elements), a dtype tag,
+// an executor for CPU threading and an opaque CUDA stream. The library is compiled once
+// and loaded by every per-target binding (and by the DLPack module); it must never see a
+// torch type. Functions never throw: they return a Status whose message says what to fix.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(_WIN32)
+#define PG_API __declspec(dllexport)
+#else
+#define PG_API __attribute__((visibility("default")))
+#endif
+
+namespace portable_gemm {
+
+// Storage types the kernels understand. Values are part of the ABI between the
+// kernel library and its callers: append, never renumber.
+enum class DType : int32_t { f32 = 0, f16 = 1, bf16 = 2, i8 = 3, u8 = 4 };
+
+// Epilogue applied after the optional bias: y = act(acc + bias).
+// gelu is the exact (erf) form, as torch.nn.functional.gelu's default.
+enum class Activation : int32_t { none = 0, relu = 1, silu = 2, gelu = 3 };
+
+struct Status {
+  int32_t code = 0;               // 0 = ok
+  const char* message = nullptr;  // static string, never freed; null when ok
+  bool ok() const { return code == 0; }
+};
+
+// A strided 2-D view. Element (r, c) lives at data + r * row_stride + c * col_stride
+// (strides in elements, may be any non-negative value, including 0 for broadcast).
+struct ConstMatrix {
+  const void* data = nullptr;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0, col_stride = 0;
+  DType dtype = DType::f32;
+};
+struct Matrix {
+  void* data = nullptr;
+  int64_t rows = 0, cols = 0;
+  int64_t row_stride = 0, col_stride = 0;
+  DType dtype = DType::f32;
+};
+
+// Threading is the caller's: a binding for torch >= 2.10 passes torch's parallel_for
+// (so torch.set_num_threads is obeyed), older targets and the DLPack module pass
+// builtin_executor(), the library's own pool.
+struct Executor {
+  using Body = void (*)(void* ctx, int64_t begin, int64_t end);
+  // Runs body over [begin, end) split into chunks of at least `grain` items, and returns
+  // only when every chunk has finished. body must not throw.
+  void (*parallel_for)(void* self, int64_t begin, int64_t end, int64_t grain, Body body,
+                       void* ctx) = nullptr;
+  int (*num_threads)(void* self) = nullptr;
+  void* self = nullptr;
+  const char* name = "";
+};
+
+// The library's own pool (threads = hardware concurrency, or PORTABLE_GEMM_NUM_THREADS).
+// Safe across fork() (the child re-creates its pool lazily) and at interpreter shutdown.
+PG_API const Executor& builtin_executor();
+
+// ---- dense GEMM -------------------------------------------------------------------
+// c = act(a @ b + bias). a: M x K, b: K x N, c: M x N; a, b, c and bias share one dtype
+// (f32, f16 or bf16); accumulation is in fp32. bias (optional, may be null) has N
+// elements with stride bias_stride. Every element of c is written, also when K == 0.
+struct GemmArgs {
+  ConstMatrix a;
+  ConstMatrix b;
+  const void* bias = nullptr;
+  int64_t bias_stride = 1;
+  Matrix c;
+  Activation activation = Activation::none;
+};
+
+// ---- weight-only quantised linear --------------------------------------------------
+// Weight layout (like nn.Linear.weight, [N, K]):
+//   bits = 8: int8  [N, K],     element (n, k) = q[n * q_row_stride + k]
+//   bits = 4: uint8 [N, K / 2], byte (n, j) = q[n * q_row_stride + j] holds k = 2j in its
+//             low nibble and k = 2j + 1 in its high nibble, each a signed 4-bit value
+//             (two's complement, -8 .. 7). K must be even.
+// Scales (f32, f16 or bf16): group_size == 0 -> per output channel, N values;
+//   otherwise [N, K / group_size], scale (n, g) at scales[n * scales_row_stride + g].
+// dequant(q)(n, k) = q(n, k) * scale(n, k / group_size).
+struct QuantizedWeight {
+  const void* data = nullptr;
+  int64_t n = 0, k = 0;
+  int64_t row_stride = 0;  // in bytes (= elements of int8/uint8)
+  int32_t bits = 8;
+  int64_t group_size = 0;  // 0 = per channel
+  const void* scales = nullptr;
+  int64_t scales_row_stride = 1;  // elements; for per-channel: stride between channels
+  DType scales_dtype = DType::f32;
+};
+
+// y = act(x @ dequant(w)^T + bias). x: M x K (f32, f16 or bf16), y: M x N of x's dtype,
+// bias: N elements of x's dtype (optional).
+struct MixedLinearArgs {
+  ConstMatrix x;
+  QuantizedWeight w;
+  const void* bias = nullptr;
+  int64_t bias_stride = 1;
+  Matrix y;
+  Activation activation = Activation::none;
+};
+
+// Symmetric quantisation of w (N x K, f32/f16/bf16): per group of group_size elements
+// along K (or the whole row when group_size == 0) scale = absmax / (2^(bits-1) - 1),
+// rounded to scales_dtype; q = round_half_even(w / scale) clamped to
+// [-2^(bits-1), 2^(bits-1) - 1]; a zero group gets scale 0 and q 0.
+// qweight must be contiguous in the layout described above (row stride K or K / 2);
+// scales contiguous ([N] or [N, K / group_size]).
+struct QuantizeArgs {
+  ConstMatrix w;
+  int32_t bits = 8;
+  int64_t group_size = 0;
+  void* qweight = nullptr;
+  void* scales = nullptr;
+  DType scales_dtype = DType::f32;
+};
+
+// Shared validation used by every door (bindings, DLPack): returns a Status naming the
+// argument to fix. The CPU and CUDA entry points call these themselves too.
+PG_API Status validate_gemm(const GemmArgs& args);
+PG_API Status validate_mixed_linear(const MixedLinearArgs& args);
+PG_API Status validate_quantize(const QuantizeArgs& args);
+
+namespace cpu {
+PG_API Status gemm(const GemmArgs& args, const Executor& exec);
+PG_API Status mixed_linear(const MixedLinearArgs& args, const Executor& exec);
+PG_API Status quantize(const QuantizeArgs& args, const Executor& exec);
+// The instruction set the CPU kernels dispatched to at run time, e.g. "avx512" / "avx2" /
+// "generic".
+PG_API const char* isa();
+}  // namespace cpu
+
+// Build facts of the kernel library itself (version string, compiler, CUDA archs).
+PG_API const char* build_info();
+
+// True when this kernel library was compiled with CUDA kernels.
+PG_API bool has_cuda();
+
+namespace cuda {
+// Every CUDA entry point enqueues on `stream` (a cudaStream_t; null = legacy default
+// stream), on the current device, and returns without synchronising. Inputs and outputs
+// are device pointers of that device. Launch errors are returned as Status with
+// code = the cudaError_t value. Outputs are allocated by the caller.
+PG_API Status gemm(const GemmArgs& args, void* stream);
+PG_API Status mixed_linear(const MixedLinearArgs& args, void* stream);
+PG_API Status quantize(const QuantizeArgs& args, void* stream);
+// cudaGetErrorString of the library's own runtime (static cudart).
+PG_API const char* error_string(int32_t code);
+// Device-side scratch the kernels may need: none today; kept for ABI growth.
+}  // namespace cuda
+
+}  // namespace portable_gemm
