@@ -81,7 +81,8 @@ function(pg_add_torch_binding)
   target_compile_definitions(${name} PRIVATE
     TORCH_TARGET_VERSION=${hex}
     PG_TARGET_VERSION="${ARG_VERSION}")
-  target_compile_options(${name} PRIVATE -Wall -Wextra -Werror=undef -Wno-unused-parameter)
+  target_compile_options(${name} PRIVATE -Wall -Wextra -Werror=undef -Wno-unused-parameter
+    -ffile-prefix-map=${TORCH_INCLUDE_DIR}/=torch/include/)
   set(links portable_gemm_kernels ${TORCH_LIB_DIR}/libtorch_cpu.so ${TORCH_LIB_DIR}/libc10.so)
   if(ARG_DEVICE STREQUAL "cuda")
     pg_torch_cuda_link_library(torch_cuda)

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One runner for what developers and CI run often. Every command sets itself up from
+# nothing (venv, torch, build tools), so it works on a fresh machine.
+#
+#   bash ci/dev.sh demo     build the portable wheel (5 targets, CPU + CUDA bindings), install
+#                           it into the venv, print which binary was chosen and why, run the GEMMs
+#   bash ci/dev.sh test     build + install, then pytest, the symbol audit and the runtime matrix
+#   bash ci/dev.sh wheel    only build the wheel into dist/
+#   bash ci/dev.sh pytest [args]   only pytest against the installed wheel
+#   bash ci/dev.sh audit    symbol audit of dist/*.whl against every runtime's export list
+#   bash ci/dev.sh matrix [args]   the runtime matrix (one venv per torch release, uv cache)
+#   bash ci/dev.sh bench [args]    CPU benchmark (ratios against torch in the same process)
+#
+# Environment: PG_VENV (default .venv), PG_PYTHON (default python3.11 or python3),
+# PG_SKIP_MATRIX=1 skips the runtime matrix in `test`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${PG_VENV:-$ROOT/.venv}
+PY_BOOT=${PG_PYTHON:-$(command -v python3.11 || command -v python3)}
+BUILD_TORCH=2.13.0   # headers for every target come from the newest torch built against
+
+log() { printf '\n==> %s\n' "$*"; }
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    log "creating venv $VENV with $($PY_BOOT --version)"
+    "$PY_BOOT" -m venv "$VENV"
+  fi
+  local py="$VENV/bin/python"
+  if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$BUILD_TORCH')" 2>/dev/null; then
+    log "installing torch==$BUILD_TORCH (build headers + test runtime)"
+    "$py" -m pip install -q --disable-pip-version-check "torch==$BUILD_TORCH"
+  fi
+  "$py" -m pip install -q --disable-pip-version-check \
+    "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja \
+    pytest numpy hypothesis expecttest uv auditwheel matplotlib 2>&1 | grep -v "^WARNING: Location" || true
+}
+
+wheel() {
+  setup
+  log "building the portable wheel (all targets from version_matrix/matrix.json)"
+  rm -rf dist
+  local t0=$SECONDS
+  mkdir -p build
+  # Full log kept in build/wheel.log; configure lines and ninja's [n/total] progress shown live.
+  set +e
+  "$VENV/bin/python" -m pip wheel . --no-build-isolation --no-deps -w dist -v 2>&1 \
+    | tee build/wheel.log | grep --line-buffered -E "portable_gemm:|^ *\[[0-9]+/[0-9]+\]|[Ee]rror"
+  local rc=${PIPESTATUS[0]}
+  set -e
+  if [ "$rc" != 0 ]; then tail -40 build/wheel.log; echo "wheel build failed (full log: build/wheel.log)"; exit 1; fi
+  ls dist/portable_gemm-*.whl >/dev/null
+  log "built $(ls dist/*.whl) in $((SECONDS - t0)) s"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps dist/portable_gemm-*.whl
+}
+
+run_pytest() {
+  # Run from tests/ so that the source tree's python/ never shadows the installed wheel.
+  (cd tests && "$VENV/bin/python" -m pytest -q "$@")
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  demo)
+    wheel
+    log "python -m portable_gemm demo"
+    (cd /tmp && "$VENV/bin/python" -m portable_gemm demo "$@")
+    ;;
+  wheel) wheel ;;
+  pytest) setup; run_pytest "$@" ;;
+  audit) setup; "$VENV/bin/python" ci/symbol_audit.py dist/portable_gemm-*.whl ;;
+  matrix) setup; "$VENV/bin/python" ci/matrix.py --wheel "$(ls dist/portable_gemm-*.whl)" "$@" ;;
+  bench) setup; "$VENV/bin/python" bench/cpu_bench.py "$@" ;;
+  test)
+    wheel
+    log "pytest"
+    run_pytest
+    log "symbol audit"
+    "$VENV/bin/python" ci/symbol_audit.py dist/portable_gemm-*.whl
+    if [ "${PG_SKIP_MATRIX:-0}" != 1 ]; then
+      log "runtime matrix"
+      "$VENV/bin/python" ci/matrix.py --wheel "$(ls dist/portable_gemm-*.whl)"
+    fi
+    ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
+esac

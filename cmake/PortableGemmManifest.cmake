@@ -1,0 +1,35 @@
+# pg_install_manifest()
+#
+# Writes portable_gemm/lib/manifest.json at install time: every binary (file, kind,
+# device, target, features from version_matrix, sha256), the torch whose headers built
+# the bindings, and the toolchain. The loader trusts this file, never file names alone.
+function(pg_install_manifest)
+  get_property(binaries GLOBAL PROPERTY PG_BINARIES)
+  set(kernel "{\"file\":\"libportable_gemm_kernels.so\",\"kind\":\"kernels\",\"device\":\"$<IF:$<BOOL:${PG_WITH_CUDA}>,cpu+cuda,cpu>\"}")
+  list(PREPEND binaries "${kernel}")
+  list(JOIN binaries ",\n    " binaries_json)
+  if(PG_WITH_CUDA)
+    set(cuda_json "{\"compiler\": \"nvcc ${CMAKE_CUDA_COMPILER_VERSION}\", \"archs\": \"${PG_CUDA_ARCH_LIST}\", \"cudart\": \"static\"}")
+  else()
+    set(cuda_json "null")
+  endif()
+  string(JSON targets_json GET "${PG_MATRIX_JSON}" targets)
+  string(JSON minimum GET "${PG_MATRIX_JSON}" minimum_torch)
+  file(GENERATE OUTPUT ${CMAKE_BINARY_DIR}/manifest.in.json CONTENT "{
+  \"project_version\": \"${PROJECT_VERSION}\",
+  \"build_torch\": \"${TORCH_BUILD_VERSION}\",
+  \"minimum_torch\": \"${minimum}\",
+  \"toolchain\": {\"cxx\": \"${CMAKE_CXX_COMPILER_ID} ${CMAKE_CXX_COMPILER_VERSION}\", \"cuda\": ${cuda_json}, \"system\": \"${CMAKE_SYSTEM_NAME}-${CMAKE_SYSTEM_PROCESSOR}\"},
+  \"matrix_targets\": ${targets_json},
+  \"binaries\": [
+    ${binaries_json}
+  ]
+}
+")
+  find_package(Python REQUIRED COMPONENTS Interpreter)
+  install(CODE "execute_process(COMMAND \"${Python_EXECUTABLE}\"
+      \"${PROJECT_SOURCE_DIR}/cmake/write_manifest.py\"
+      \"${CMAKE_BINARY_DIR}/manifest.in.json\"
+      \"\${CMAKE_INSTALL_PREFIX}/${PG_LIB_DIR}\"
+      COMMAND_ERROR_IS_FATAL ANY)")
+endfunction()

@@ -1,0 +1,100 @@
+"""Command line: `python -m portable_gemm {info,demo}` and `--cmake-dir`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _demo(devices: list[str]) -> int:
+    import torch
+
+    import portable_gemm as pg
+    from portable_gemm._info import format_info
+
+    print(format_info(pg.info()))
+    print()
+    torch.manual_seed(0)
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+    rows = []
+    failed = 0
+
+    def check(name, device, out, ref, rtol, t):
+        nonlocal failed
+        err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        ok = err <= rtol
+        failed += not ok
+        rows.append((name, device, tuple(out.shape), f"{err:.2e}", f"{rtol:.0e}", f"{t * 1e3:.2f}", "ok" if ok else "FAIL"))
+
+    for device in devices:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            a = torch.randn(257, 512, dtype=dtype, device=device)
+            b = torch.randn(512, 384, dtype=dtype, device=device)
+            bias = torch.randn(384, dtype=dtype, device=device)
+            pg.gemm(a, b, bias=bias, activation="gelu")  # warm-up
+            t0 = time.perf_counter()
+            out = pg.gemm(a, b, bias=bias, activation="gelu")
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter() - t0
+            ref = torch.nn.functional.gelu(a.double() @ b.double() + bias.double())
+            check(f"gemm {str(dtype)[6:]} +bias gelu", device, out, ref, tol[dtype], t)
+        for bits, group in ((8, None), (4, 128)):
+            w = torch.randn(1024, 2048, dtype=torch.bfloat16, device=device)
+            q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+            x = torch.randn(16, 2048, dtype=torch.bfloat16, device=device)
+            pg.mixed_linear(x, q, s, bits=bits, group_size=group)
+            t0 = time.perf_counter()
+            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter() - t0
+            wd = pg.dequantize_weight(q, s, bits=bits, group_size=group, dtype=torch.float64)
+            ref = x.double() @ wd.T
+            check(f"mixed_linear int{bits} g{group or 'chan'}", device, out, ref, 2e-2, t)
+
+    head = ("op", "device", "shape", "rel.err", "tol", "ms", "")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    print(f"\n{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m portable_gemm")
+    parser.add_argument("--cmake-dir", action="store_true",
+                        help="print the folder of the CMake package config (for find_package)")
+    sub = parser.add_subparsers(dest="cmd")
+    p_info = sub.add_parser("info", help="which binary was loaded and why")
+    p_info.add_argument("--json", action="store_true", help="print info() as JSON")
+    p_demo = sub.add_parser("demo", help="print info, run every op against a float64 reference")
+    p_demo.add_argument("--device", action="append", choices=["cpu", "cuda"],
+                        help="devices to run on (default: cpu, plus cuda when available)")
+    args = parser.parse_args(argv)
+
+    if args.cmake_dir:
+        here = os.path.dirname(os.path.abspath(__file__))
+        print(os.path.join(here, "share", "cmake", "PortableGemm"))
+        return 0
+    if args.cmd == "info":
+        import portable_gemm as pg
+        from portable_gemm._info import format_info
+
+        d = pg.info()
+        print(json.dumps(d, indent=2) if args.json else format_info(d))
+        return 0
+    if args.cmd == "demo":
+        import torch
+
+        devices = args.device or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+        return _demo(devices)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Load the binding library that matches the installed torch and register its ops.
+
+The manifest written at build time (lib/manifest.json) is the only list of binaries the
+loader trusts. `select_variant` decides; this module dlopens (RTLD_NOW, so a missing symbol
+is an error here, not a crash later), checks the library reports the target it was meant to
+be, and registers the ops under this copy's namespace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ._namespace import NAMESPACE
+from ._variant import Candidate, Selection, select_variant
+
+LIB_DIR = Path(__file__).resolve().parent / "lib"
+ENV_TARGET = "PORTABLE_GEMM_TARGET"
+
+
+@dataclass
+class LoadState:
+    namespace: str
+    torch_version: str
+    selection: Selection
+    target: str | None = None
+    manifest: dict = field(default_factory=dict)
+    libraries: dict[str, str] = field(default_factory=dict)
+    features: dict = field(default_factory=dict)
+    cuda_loaded: bool = False
+    cuda_reason: str = ""
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+def read_manifest(lib_dir: Path = LIB_DIR) -> dict:
+    path = lib_dir / "manifest.json"
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise ImportError(f"portable_gemm: {path} is missing; the installation is incomplete "
+                          "(reinstall the wheel)") from None
+    except (OSError, ValueError) as e:
+        raise ImportError(f"portable_gemm: cannot read {path}: {e} (reinstall the wheel)") from None
+    if not isinstance(manifest.get("binaries"), list):
+        raise ImportError(f"portable_gemm: {path} lists no binaries (reinstall the wheel)")
+    return manifest
+
+
+def _bindings(manifest: dict, device: str) -> dict[str, dict]:
+    return {b["target"]: b for b in manifest["binaries"]
+            if b.get("kind") == "binding" and b.get("device") == device}
+
+
+class _Binding:
+    """One dlopen'ed binding library and its C entry points."""
+
+    def __init__(self, path: Path):
+        if not path.is_file():
+            raise OSError(f"{path.name} is missing from {path.parent}")
+        self.path = path
+        self.lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+        try:
+            self._register = self.lib.portable_gemm_register
+            info_fn = self.lib.portable_gemm_binding_info
+        except AttributeError:
+            raise OSError(f"{path.name} is not a portable_gemm binding (no entry points)") from None
+        self._register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        self._register.restype = ctypes.c_int
+        info_fn.restype = ctypes.c_char_p
+        self.info = json.loads(info_fn().decode())
+
+    def register(self, namespace: str) -> None:
+        err = ctypes.create_string_buffer(1024)
+        if self._register(namespace.encode(), err, len(err)) != 0:
+            raise OSError(f"{self.path.name}: registering torch.ops.{namespace} failed: "
+                          f"{err.value.decode(errors='replace')}")
+
+
+def _load_binding(entry: dict, lib_dir: Path, expect_target: str, namespace: str) -> _Binding:
+    binding = _Binding(lib_dir / entry["file"])
+    got = binding.info.get("target")
+    if got != expect_target:
+        raise OSError(f"{entry['file']} reports target {got}, but the manifest says {expect_target}")
+    binding.register(namespace)
+    return binding
+
+
+def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
+    manifest = read_manifest(lib_dir)
+    cpu = _bindings(manifest, "cpu")
+    forced = os.environ.get(ENV_TARGET)
+    selection = select_variant(torch.__version__, list(cpu), forced,
+                               minimum=manifest.get("minimum_torch", "2.9"))
+    if selection.error:
+        raise ImportError(f"portable_gemm: {selection.error}\ncandidates:\n{selection.explain()}")
+
+    state = LoadState(namespace, torch.__version__, selection, manifest=manifest)
+    # The selected target first; if its binary cannot load, fall back to older eligible
+    # ones (never when a target was forced: the user asked for that one).
+    order = [c for c in selection.candidates if c.status == "selected"]
+    if not forced:
+        order += [c for c in selection.candidates if c.status == "eligible"]
+    failures: dict[str, str] = {}
+    binding = None
+    for cand in order:
+        try:
+            binding = _load_binding(cpu[cand.target], lib_dir, cand.target, namespace)
+        except OSError as e:
+            failures[cand.target] = f"failed to load: {e}"
+            continue
+        state.target = cand.target
+        break
+
+    for c in selection.candidates:
+        if c.target in failures:
+            state.candidates.append(Candidate(c.target, "rejected", failures[c.target]))
+        elif c.target == state.target:
+            state.candidates.append(Candidate(c.target, "loaded", c.reason))
+        elif c.status == "selected":
+            state.candidates.append(Candidate(c.target, "eligible", c.reason))
+        else:
+            state.candidates.append(c)
+    if binding is None:
+        lines = "\n".join(f"  {c.target}: {c.status} - {c.reason}" for c in state.candidates)
+        raise ImportError(f"portable_gemm: no binding could be loaded for torch {torch.__version__}"
+                          f"\ncandidates:\n{lines}")
+
+    state.libraries["kernels"] = str(lib_dir / "libportable_gemm_kernels.so")
+    state.libraries["cpu"] = str(binding.path)
+    target_features = next((t["features"] for t in manifest.get("matrix_targets", [])
+                            if t["version"] == state.target), {})
+    state.features = {**target_features, "threading": binding.info.get("threading"),
+                      "cpu_isa": binding.info.get("cpu_isa")}
+    _load_cuda(state, lib_dir, namespace)
+    return state
+
+
+def _load_cuda(state: LoadState, lib_dir: Path, namespace: str) -> None:
+    if torch.version.cuda is None:
+        state.cuda_reason = f"torch {torch.__version__} is a CPU-only build; CUDA binding not tried"
+        state.features.pop("stream_api", None)
+        state.features.pop("cuda_error_check", None)
+        return
+    entry = _bindings(state.manifest, "cuda").get(state.target)
+    if entry is None:
+        state.cuda_reason = f"this wheel has no CUDA binding for target {state.target} (built without nvcc)"
+        return
+    try:
+        binding = _load_binding(entry, lib_dir, state.target, namespace)
+    except OSError as e:
+        state.cuda_reason = f"CUDA binding for target {state.target} failed to load: {e}; CPU ops still work"
+        return
+    state.cuda_loaded = True
+    # (No torch.cuda.is_available() here: it would initialise the driver on every import.)
+    state.cuda_reason = f"loaded for torch CUDA {torch.version.cuda}"
+    state.libraries["cuda"] = str(binding.path)
+    state.features.update({k: binding.info[k] for k in ("stream_api", "cuda_error_check")})

@@ -1,0 +1,174 @@
+"""Typed Python wrappers over torch.ops.<namespace>.*, their fake (meta) kernels for
+torch.compile / FakeTensor, and autograd built from the library's own ops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._namespace import NAMESPACE
+
+ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2, "gelu": 3}
+GROUP_SIZES = (32, 64, 128)
+
+
+def _ops():
+    return getattr(torch.ops, NAMESPACE)
+
+
+def _activation_code(activation: str) -> int:
+    try:
+        return ACTIVATIONS[activation]
+    except (KeyError, TypeError):
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}") from None
+
+
+def _group_code(group_size: int | None) -> int:
+    if group_size is None:
+        return 0
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size must be None (per channel) or a positive int such as "
+                         f"{GROUP_SIZES}, got {group_size!r}")
+    return group_size
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+         activation: str = "none") -> torch.Tensor:
+    """act(a @ b + bias): a [..., K], b [K, N] (fp32/fp16/bf16, one dtype, any strides,
+    CPU or CUDA), bias [N]; accumulates in fp32; returns [..., N] in a's dtype."""
+    return _ops().gemm(a, b, bias, _activation_code(activation))
+
+
+def quantize_weight(weight: torch.Tensor, *, bits: int,
+                    group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantisation of an nn.Linear-style weight [N, K].
+
+    bits=8 gives int8 [N, K]; bits=4 gives uint8 [N, K/2], two signed nibbles per byte (low
+    nibble = even k). scale = absmax / (2^(bits-1) - 1) per output channel (group_size=None,
+    scales [N]) or per group of group_size along K (scales [N, K/group_size]), in weight's dtype.
+    """
+    return _ops().quantize_weight(weight, bits, _group_code(group_size))
+
+
+def mixed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
+                 group_size: int | None = None, bias: torch.Tensor | None = None,
+                 activation: str = "none") -> torch.Tensor:
+    """Weight-only quantised linear: act(x @ dequant(qweight).T + bias), x [..., K]
+    (fp16/bf16, and fp32), qweight/scales from quantize_weight; returns [..., N] in x's dtype."""
+    return _ops().mixed_linear(x, qweight, scales, bits, _group_code(group_size), bias,
+                               _activation_code(activation))
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
+                      group_size: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The [N, K] weight that quantize_weight's output stands for (torch ops, any device)."""
+    if bits == 8:
+        q = qweight.to(torch.int8)
+    elif bits == 4:
+        low = (qweight.to(torch.int16) << 12 >> 12).to(torch.int8)   # sign-extend nibble
+        high = (qweight.to(torch.int16) << 8 >> 12).to(torch.int8)
+        q = torch.stack((low, high), dim=-1).reshape(qweight.shape[0], -1)
+    else:
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    dtype = dtype or scales.dtype
+    s = scales.to(torch.float32)
+    if group_size:
+        s = s.repeat_interleave(group_size, dim=1)
+    else:
+        s = s.reshape(-1, 1)
+    return (q.to(torch.float32) * s).to(dtype)
+
+
+# ---- fake kernels: shapes and dtypes only -----------------------------------------------
+
+@torch.library.register_fake(f"{NAMESPACE}::gemm")
+def _gemm_fake(a, b, bias=None, activation=0):
+    torch._check(a.dim() >= 1, lambda: "a must have shape [..., K]")
+    torch._check(b.dim() == 2, lambda: "b must have shape [K, N]")
+    torch._check(a.shape[-1] == b.shape[0], lambda: f"a has K={a.shape[-1]} but b has {b.shape[0]} rows")
+    torch._check(a.dtype == b.dtype, lambda: "a and b must share a dtype")
+    return a.new_empty((*a.shape[:-1], b.shape[1]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::quantize_weight")
+def _quantize_fake(weight, bits, group_size=0):
+    torch._check(weight.dim() == 2, lambda: "weight must be [N, K]")
+    torch._check(bits in (4, 8), lambda: f"bits must be 4 or 8, got {bits}")
+    n, k = weight.shape
+    q = weight.new_empty((n, k), dtype=torch.int8) if bits == 8 else weight.new_empty((n, k // 2), dtype=torch.uint8)
+    scales = weight.new_empty((n, k // group_size) if group_size else (n,))
+    return q, scales
+
+
+@torch.library.register_fake(f"{NAMESPACE}::mixed_linear")
+def _mixed_linear_fake(x, qweight, scales, bits, group_size=0, bias=None, activation=0):
+    torch._check(qweight.dim() == 2, lambda: "qweight must be 2-D")
+    k = x.shape[-1]
+    torch._check(qweight.shape[1] == (k if bits == 8 else k // 2), lambda: "qweight does not match x's K")
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+# ---- autograd -----------------------------------------------------------------------------
+
+def _activation_grad(z: torch.Tensor, code: int) -> torch.Tensor:
+    """d act(z) / dz in fp32."""
+    z = z.float()
+    if code == ACTIVATIONS["relu"]:
+        return (z > 0).float()
+    if code == ACTIVATIONS["silu"]:
+        s = torch.sigmoid(z)
+        return s * (1 + z * (1 - s))
+    if code == ACTIVATIONS["gelu"]:
+        return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+    return torch.ones_like(z)
+
+
+def _grad_pre_activation(grad, code, recompute):
+    if code == 0:
+        return grad
+    return (grad.float() * _activation_grad(recompute(), code)).to(grad.dtype)
+
+
+def _gemm_setup(ctx, inputs, output):
+    a, b, bias, activation = inputs
+    ctx.save_for_backward(a, b, bias)
+    ctx.activation = activation
+
+
+def _gemm_backward(ctx, grad):
+    a, b, bias = ctx.saved_tensors
+    op = _ops().gemm
+    g = _grad_pre_activation(grad, ctx.activation, lambda: op(a, b, bias, 0))
+    k, n = b.shape
+    grad_a = op(g, b.mT, None, 0) if ctx.needs_input_grad[0] else None
+    grad_b = op(a.reshape(-1, k).mT, g.reshape(-1, n), None, 0) if ctx.needs_input_grad[1] else None
+    grad_bias = g.reshape(-1, n).sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+    return grad_a, grad_b, grad_bias, None
+
+
+torch.library.register_autograd(f"{NAMESPACE}::gemm", _gemm_backward, setup_context=_gemm_setup)
+
+
+def _mixed_setup(ctx, inputs, output):
+    x, qweight, scales, bits, group_size, bias, activation = inputs
+    ctx.save_for_backward(x, qweight, scales, bias)
+    ctx.bits, ctx.group_size, ctx.activation = bits, group_size, activation
+
+
+def _mixed_backward(ctx, grad):
+    x, qweight, scales, bias = ctx.saved_tensors
+    op = _ops()
+    g = _grad_pre_activation(grad, ctx.activation, lambda: op.mixed_linear(
+        x, qweight, scales, ctx.bits, ctx.group_size, bias, 0))
+    n = qweight.shape[0]
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        w = dequantize_weight(qweight, scales, bits=ctx.bits, group_size=ctx.group_size, dtype=x.dtype)
+        grad_x = op.gemm(g, w, None, 0)  # [..., N] @ [N, K]
+    if bias is not None and ctx.needs_input_grad[5]:
+        grad_bias = g.reshape(-1, n).sum(0)
+    return grad_x, None, None, None, None, grad_bias, None
+
+
+torch.library.register_autograd(f"{NAMESPACE}::mixed_linear", _mixed_backward, setup_context=_mixed_setup)

@@ -1,0 +1,38 @@
+// CPU binding, compiled once per torch target. Defines the schemas and the CPU kernels.
+#include "compat/threading.h"
+#include "ops_common.h"
+
+namespace portable_gemm::binding {
+namespace {
+
+struct CpuBackend {
+  static constexpr const char* dispatch_key = "CPU";
+  static void check_device(const Tensor& t, const char* op) {
+    STD_TORCH_CHECK(t.is_cpu(), op, ": the CPU kernel got a non-CPU tensor");
+  }
+  static void run(const GemmArgs& a, const Tensor&, const char* op) {
+    throw_if_error(cpu::gemm(a, compat::cpu_executor()), op);
+  }
+  static void run(const MixedLinearArgs& a, const Tensor&, const char* op) {
+    throw_if_error(cpu::mixed_linear(a, compat::cpu_executor()), op);
+  }
+  static void run(const QuantizeArgs& a, const Tensor&, const char* op) {
+    throw_if_error(cpu::quantize(a, compat::cpu_executor()), op);
+  }
+};
+
+}  // namespace
+}  // namespace portable_gemm::binding
+
+PG_BINDING_EXPORT int portable_gemm_register(const char* ns, char* err, size_t errlen) {
+  using namespace portable_gemm::binding;
+  return register_namespace<CpuBackend>(ns, /*define=*/true, err, errlen);
+}
+
+PG_BINDING_EXPORT const char* portable_gemm_binding_info() {
+  static const std::string info = std::string("{\"target\": \"") + PG_TARGET_VERSION +
+                                  "\", \"device\": \"cpu\", \"threading\": \"" +
+                                  portable_gemm::compat::cpu_executor().name +
+                                  "\", \"cpu_isa\": \"" + portable_gemm::cpu::isa() + "\"}";
+  return info.c_str();
+}

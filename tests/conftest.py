@@ -1,0 +1,129 @@
+"""Shared test helpers: named shape lists, float64 references, per-dtype tolerances, and
+sentinel-filled outputs.
+
+Sentinel: with torch.use_deterministic_algorithms(True), torch fills every new tensor
+(torch.empty, new_empty, ... also the ones our bindings allocate through the stable ABI)
+with NaN (floats) or the max value (ints). An output element a kernel forgot to write stays
+NaN and fails the comparison. `test_sentinel_is_active` proves the fill really happens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Relative Frobenius error allowed against a float64 reference (output rounding dominates).
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+ACTIVATIONS = ["none", "relu", "silu", "gelu"]
+
+# (M, K, N)
+ALIGNED = [(64, 64, 64), (128, 256, 512), (256, 512, 128)]
+ODD = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (3, 4097, 129), (1, 4096, 3)]
+M_SWEEP = [(m, 96, 80) for m in range(1, 34)]
+LARGE_K = [(16, 8192, 64)]
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def sentinel_outputs():
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(prev)
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(1234)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    ref = ref.double()
+    denom = ref.norm().item()
+    num = (out - ref).norm().item()
+    if denom == 0.0:
+        return num
+    return num / denom
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, tol: float | None = None,
+                 label: str = ""):
+    where = f" [{label}]" if label else ""
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}{where}"
+    assert not torch.isnan(out).any(), f"output holds NaN: an element was never written (sentinel){where}"
+    err = rel_err(out, ref)
+    limit = tol if tol is not None else TOL[dtype]
+    assert err <= limit, f"relative error {err:.3e} > {limit:.1e} ({dtype}){where}"
+
+
+def act_ref(z: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "silu":
+        return z * torch.sigmoid(z)
+    if activation == "gelu":
+        return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+    return z
+
+
+def rand(shape, dtype, device="cpu", scale=1.0):
+    return (torch.randn(shape, dtype=torch.float32, device=device) * scale).to(dtype)
+
+
+def gemm_ref(a, b, bias=None, activation="none"):
+    z = a.double() @ b.double()
+    if bias is not None:
+        z = z + bias.double()
+    return act_ref(z, activation)
+
+
+def unpack_int4_ref(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] uint8 -> [N, K] int64, low nibble first, signed (written independently of
+    the package's dequantize_weight)."""
+    p = packed.to(torch.int64)
+    lo = p & 0xF
+    hi = (p >> 4) & 0xF
+    lo = torch.where(lo >= 8, lo - 16, lo)
+    hi = torch.where(hi >= 8, hi - 16, hi)
+    return torch.stack([lo, hi], dim=-1).reshape(p.shape[0], -1)
+
+
+def dequant_ref(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
+    qi = q.to(torch.int64) if bits == 8 else unpack_int4_ref(q)
+    s = scales.double()
+    if group_size:
+        s = s.repeat_interleave(group_size, dim=1)
+    else:
+        s = s[:, None]
+    return qi.double() * s
+
+
+def strided_variants(t: torch.Tensor):
+    """Yield (name, view) pairs with the same values as t but other memory layouts."""
+    yield "contiguous", t
+    yield "transposed", t.mT.contiguous().mT
+    big = torch.empty((t.shape[0] + 3, t.shape[1] * 2 + 5), dtype=t.dtype, device=t.device)
+    big.fill_(float("nan"))
+    view = big[2:2 + t.shape[0], 3:3 + 2 * t.shape[1]:2]
+    view.copy_(t)
+    yield "offset+step", view
+
+
+def run_python(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter (loader decisions happen at import time)."""
+    full_env = dict(os.environ)
+    full_env.pop("PORTABLE_GEMM_TARGET", None)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)

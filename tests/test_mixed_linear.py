@@ -1,0 +1,146 @@
+"""quantize_weight and mixed_linear against independent float64 references."""
+
+import pytest
+import torch
+from conftest import (ACTIVATIONS, DEVICES, M_SWEEP, assert_close, act_ref, dequant_ref, rand,
+                      strided_variants, unpack_int4_ref)
+
+import portable_gemm as pg
+
+SCHEMES = [(8, None), (8, 32), (8, 128), (4, None), (4, 64), (4, 128)]
+SCHEME_IDS = [f"int{b}-g{g or 'chan'}" for b, g in SCHEMES]
+X_DTYPES = {"cpu": [torch.float32, torch.float16, torch.bfloat16], "cuda": [torch.float16, torch.bfloat16]}
+ML_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+
+
+def quantize_ref(w: torch.Tensor, bits: int, group_size):
+    """The documented rule: scale = absmax / qmax in fp32, stored in w's dtype; q = round
+    half-even(w / stored scale) in fp32, clamped; a zero group gets scale 0 and q 0."""
+    qmax = 2 ** (bits - 1) - 1
+    n, k = w.shape
+    g = group_size or k
+    wg = w.float().reshape(n, k // g, g)
+    scale = (wg.abs().amax(-1) / qmax).to(w.dtype)
+    s = scale.float()[..., None]
+    q = torch.where(s > 0, torch.round(wg / torch.where(s > 0, s, 1)), torch.zeros_like(wg))
+    q = q.clamp(-qmax - 1, qmax).reshape(n, k).to(torch.int64)
+    return q, (scale if group_size else scale[:, 0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits,group", SCHEMES, ids=SCHEME_IDS)
+def test_quantize_matches_rule(device, wdtype, bits, group):
+    w = rand((48, 256), wdtype, device)
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    q_ref, s_ref = quantize_ref(w.cpu(), bits, group)
+    assert q.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    assert q.shape == ((48, 256) if bits == 8 else (48, 128))
+    assert s.dtype == wdtype and s.shape == s_ref.shape
+    assert torch.equal(s.cpu(), s_ref)
+    got = q.cpu().to(torch.int64) if bits == 8 else unpack_int4_ref(q.cpu())
+    assert torch.equal(got, q_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,group", SCHEMES, ids=SCHEME_IDS)
+def test_exact_weights_round_trip(device, bits, group):
+    # w = q * s exactly, with +-qmax in every group: quantise -> dequantise gives w back.
+    qmax = 2 ** (bits - 1) - 1
+    n, k = 16, 256
+    g = group or k
+    q = torch.randint(-qmax, qmax + 1, (n, k // g, g))
+    q[:, :, 0] = qmax
+    q[:, :, 1] = -qmax
+    s = torch.rand(n, k // g, 1) + 0.5
+    s = (s * 64).round() / 64  # few mantissa bits: exact in every dtype
+    w = (q * s).reshape(n, k).float().to(device)
+    qw, scales = pg.quantize_weight(w, bits=bits, group_size=group)
+    back = dequant_ref(qw.cpu(), scales.cpu(), bits, group)
+    assert torch.equal(back, w.cpu().double())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,group", SCHEMES, ids=SCHEME_IDS)
+def test_mixed_linear_m_sweep(device, bits, group):
+    n, k = 80, 256
+    w = rand((n, k), torch.bfloat16, device)
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
+    for dtype in X_DTYPES[device]:
+        for m in [mk[0] for mk in M_SWEEP] + [64, 200]:
+            x = rand((m, k), dtype, device)
+            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
+            assert_close(out, (x.cpu().double() @ wd.T).to(device), dtype, ML_TOL[dtype],
+                         label=f"{dtype} M={m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)], ids=["int8-chan", "int4-g32"])
+@pytest.mark.parametrize("mnk", [(1, 1, 2), (7, 13, 64), (33, 65, 96), (5, 3, 4096)], ids=str)
+def test_mixed_linear_odd_shapes(device, bits, group, mnk):
+    m, n, k = mnk
+    if group and k % group:
+        group = None
+    dtype = torch.bfloat16
+    w = rand((n, k), dtype, device)
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    x = rand((m, k), dtype, device)
+    ref = x.cpu().double() @ dequant_ref(q.cpu(), s.cpu(), bits, group).T
+    assert_close(pg.mixed_linear(x, q, s, bits=bits, group_size=group), ref.to(device), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_mixed_linear_bias_activation(device, activation):
+    dtype = torch.float16
+    n, k = 48, 128
+    w = rand((n, k), dtype, device)
+    q, s = pg.quantize_weight(w, bits=4, group_size=64)
+    x, bias = rand((9, k), dtype, device), rand((n,), dtype, device)
+    ref = act_ref(x.cpu().double() @ dequant_ref(q.cpu(), s.cpu(), 4, 64).T + bias.cpu().double(), activation)
+    out = pg.mixed_linear(x, q, s, bits=4, group_size=64, bias=bias, activation=activation)
+    assert_close(out, ref.to(device), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_linear_layouts_and_batch(device):
+    dtype = torch.bfloat16
+    n, k = 40, 128
+    w = rand((n, k), dtype, device)
+    q, s = pg.quantize_weight(w, bits=8, group_size=32)
+    wd = dequant_ref(q.cpu(), s.cpu(), 8, 32)
+    x0 = rand((21, k), dtype, device)
+    ref = (x0.cpu().double() @ wd.T).to(device)
+    for name, x in strided_variants(x0):
+        assert_close(pg.mixed_linear(x, q, s, bits=8, group_size=32), ref, dtype, label=name)
+    # non-contiguous qweight / scales (column-major copies) and a batched x
+    q_cm = q.mT.contiguous().mT
+    s_cm = s.mT.contiguous().mT
+    assert_close(pg.mixed_linear(x0, q_cm, s_cm, bits=8, group_size=32), ref, dtype, label="col-major q")
+    xb = x0[:20].reshape(4, 5, k)
+    out = pg.mixed_linear(xb, q, s, bits=8, group_size=32)
+    assert out.shape == (4, 5, n)
+    assert_close(out.reshape(20, n), ref[:20], dtype, label="batched")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_linear_scales_dtype_independent(device):
+    # fp32 scales with bf16 activations (a common export format)
+    n, k = 32, 128
+    w = rand((n, k), torch.float32, device)
+    q, s = pg.quantize_weight(w, bits=4, group_size=None)
+    x = rand((3, k), torch.bfloat16, device)
+    ref = x.cpu().double() @ dequant_ref(q.cpu(), s.cpu(), 4, None).T
+    assert_close(pg.mixed_linear(x, q, s, bits=4), ref.to(device), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_linear_empty(device):
+    dtype = torch.float16
+    w = rand((6, 8), dtype, device)
+    q, s = pg.quantize_weight(w, bits=8)
+    assert pg.mixed_linear(rand((0, 8), dtype, device), q, s, bits=8).shape == (0, 6)
+    q0, s0 = pg.quantize_weight(rand((0, 8), dtype, device), bits=8)
+    assert q0.shape == (0, 8) and s0.shape == (0,)
+    assert pg.mixed_linear(rand((3, 8), dtype, device), q0, s0, bits=8).shape == (3, 0)

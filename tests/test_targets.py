@@ -1,0 +1,117 @@
+"""Every built target is exercised: under the test torch each one can be forced, reports
+itself, and computes correctly (in its own interpreter, since the choice is made at import).
+Also the loader's refusals: a target newer than torch, an unknown target, torch < 2.9."""
+
+import json
+
+import pytest
+import torch
+from conftest import REPO, run_python
+
+import portable_gemm as pg
+
+BUILT = sorted((b["target"] for b in pg.info()["manifest"]["binaries"]
+                if b.get("kind") == "binding" and b["device"] == "cpu"),
+               key=lambda t: tuple(map(int, t.split("."))))
+
+SMOKE = r"""
+import json, sys, torch
+import portable_gemm as pg
+torch.manual_seed(0)
+res = {"info": pg.info()}
+errs = {}
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    a, b = torch.randn(67, 300).to(dtype), torch.randn(300, 45).to(dtype)
+    bias = torch.randn(45).to(dtype)
+    out = pg.gemm(a, b, bias=bias, activation="silu")
+    z = a.double() @ b.double() + bias.double()
+    ref = z * torch.sigmoid(z)
+    errs[f"gemm-{dtype}"] = ((out.double() - ref).norm() / ref.norm()).item()
+for bits, g in ((8, None), (4, 128)):
+    w = torch.randn(96, 256)
+    q, s = pg.quantize_weight(w, bits=bits, group_size=g)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    wd = pg.dequantize_weight(q, s, bits=bits, group_size=g, dtype=torch.float64)
+    ref = x.double() @ wd.T
+    out = pg.mixed_linear(x, q, s, bits=bits, group_size=g)
+    errs[f"mixed-int{bits}"] = ((out.double() - ref).norm() / ref.norm()).item()
+torch.library.opcheck(torch.ops.portable_gemm.gemm.default, (a, b, bias, 2))
+res["errs"] = errs
+print("RESULT" + json.dumps(res, default=str))
+"""
+
+
+def run_smoke(env):
+    proc = run_python(SMOKE, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+def test_all_five_targets_built():
+    assert BUILT == ["2.9", "2.10", "2.11", "2.12", "2.13"]
+
+
+def test_default_is_newest_eligible():
+    rt = tuple(map(int, torch.__version__.split(".")[:2]))
+    eligible = [t for t in BUILT if tuple(map(int, t.split("."))) <= rt]
+    assert pg.info()["target"] == eligible[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", BUILT)
+def test_forced_target_computes(target):
+    rt = tuple(map(int, torch.__version__.split(".")[:2]))
+    if tuple(map(int, target.split("."))) > rt:
+        pytest.skip(f"target {target} needs torch >= {target}; runtime is {torch.__version__}")
+    res = run_smoke({"PORTABLE_GEMM_TARGET": target})
+    info = res["info"]
+    assert info["target"] == target
+    loaded = [c for c in info["candidates"] if c["status"] == "loaded"]
+    assert [c["target"] for c in loaded] == [target]
+    assert info["libraries"]["cpu"].endswith(f"portable_gemm_cpu_t{target.replace('.', '_')}.so")
+    want_threads = "portable_gemm_pool" if target == "2.9" else "torch::stable::parallel_for"
+    assert info["features"]["threading"] == want_threads
+    for name, err in res["errs"].items():
+        assert err < 1.2e-2, (target, name, err)
+
+
+@pytest.mark.parametrize("forced,message", [
+    ("2.14", r"PORTABLE_GEMM_TARGET=2.14 names no built target"),
+    ("9.9", r"PORTABLE_GEMM_TARGET=9.9 names no built target"),
+    ("banana", r"is not a version like"),
+])
+def test_forced_refused_cleanly(forced, message):
+    proc = run_python("import portable_gemm", env={"PORTABLE_GEMM_TARGET": forced})
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])  # an exception, not a signal
+    assert "ImportError" in proc.stderr
+    assert message.replace("\\", "") in proc.stderr or __import__("re").search(message, proc.stderr)
+    assert "candidates:" in proc.stderr
+
+
+def test_forced_newer_than_runtime():
+    # Pretend to be torch 2.11: forcing 2.13 must be refused before any dlopen.
+    code = ("import torch; torch.__version__ = '2.11.0'\n"
+            "import portable_gemm")
+    proc = run_python(code, env={"PORTABLE_GEMM_TARGET": "2.13"})
+    assert proc.returncode == 1
+    assert "PORTABLE_GEMM_TARGET=2.13 is newer than the installed torch 2.11.0" in proc.stderr
+
+
+def test_torch_older_than_minimum_is_refused():
+    proc = run_python("import torch; torch.__version__ = '2.8.0'\nimport portable_gemm")
+    assert proc.returncode == 1
+    assert "ImportError: portable_gemm: requires torch >= 2.9; found torch 2.8.0" in proc.stderr
+
+
+def test_info_cli():
+    proc = run_python("from portable_gemm.__main__ import main; main(['info', '--json'])")
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["target"] == pg.info()["target"]
+    assert {"torch", "target", "candidates", "features", "libraries", "cuda"} <= d.keys()
+    assert d["cuda"]["loaded"] is (torch.version.cuda is not None and "cuda" in d["libraries"])
+    if torch.version.cuda is None:
+        assert "CPU-only build" in d["cuda"]["reason"]
+    proc = run_python("from portable_gemm.__main__ import main; main(['info'])")
+    assert "candidates:" in proc.stdout and "loaded" in proc.stdout

@@ -1,0 +1,84 @@
+"""opcheck on every op, torch.compile(fullgraph=True), and autograd (gradcheck in float64 is
+not possible - the ops take fp32/fp16/bf16 - so gradients are compared with torch's)."""
+
+import pytest
+import torch
+from conftest import DEVICES, act_ref, dequant_ref, rand
+
+import portable_gemm as pg
+
+ops = torch.ops.portable_gemm
+
+
+def opcheck_samples(device):
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = rand((5, 12), dtype, device), rand((12, 7), dtype, device)
+        yield ops.gemm.default, (a, b, rand((7,), dtype, device), 3)
+        yield ops.gemm.default, (rand((2, 3, 12), dtype, device, ), b, None, 0)
+    w = rand((16, 64), torch.bfloat16, device)
+    yield ops.quantize_weight.default, (w, 8, 0)
+    yield ops.quantize_weight.default, (w, 4, 32)
+    q, s = pg.quantize_weight(w, bits=4, group_size=32)
+    yield ops.mixed_linear.default, (rand((3, 64), torch.bfloat16, device), q, s, 4, 32, None, 2)
+    q8, s8 = pg.quantize_weight(w, bits=8)
+    yield ops.mixed_linear.default, (rand((1, 64), torch.bfloat16, device), q8, s8, 8, 0,
+                                     rand((16,), torch.bfloat16, device), 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    count = 0
+    for op, args in opcheck_samples(device):
+        torch.library.opcheck(op, args)
+        count += 1
+    assert count == 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    torch._dynamo.reset()
+    w = rand((32, 64), torch.bfloat16, device)
+    q, s = pg.quantize_weight(w, bits=4, group_size=32)
+
+    def f(x, b):
+        h = pg.gemm(x, b, activation="silu")
+        return pg.mixed_linear(h, q, s, bits=4, group_size=32, activation="relu")
+
+    x, b = rand((6, 48), torch.bfloat16, device), rand((48, 64), torch.bfloat16, device)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, b), f(x, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ["none", "relu", "silu", "gelu"])
+def test_gemm_autograd(device, activation):
+    a = rand((2, 5, 12), torch.float32, device).requires_grad_()
+    b = rand((12, 7), torch.float32, device).requires_grad_()
+    bias = rand((7,), torch.float32, device).requires_grad_()
+    out = pg.gemm(a, b, bias=bias, activation=activation)
+    g = torch.randn_like(out)
+    da, db, dbias = torch.autograd.grad(out, (a, b, bias), g)
+    a64, b64, bias64 = (t.detach().double().requires_grad_() for t in (a, b, bias))
+    ref = act_ref(a64 @ b64 + bias64, activation)
+    ra, rb, rbias = torch.autograd.grad(ref, (a64, b64, bias64), g.double())
+    for got, want in ((da, ra), (db, rb), (dbias, rbias)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_linear_autograd(device):
+    w = rand((24, 64), torch.float32, device)
+    q, s = pg.quantize_weight(w, bits=8, group_size=32)
+    x = rand((3, 64), torch.float32, device).requires_grad_()
+    bias = rand((24,), torch.float32, device).requires_grad_()
+    out = pg.mixed_linear(x, q, s, bits=8, group_size=32, bias=bias, activation="gelu")
+    g = torch.randn_like(out)
+    dx, dbias = torch.autograd.grad(out, (x, bias), g)
+    wd = dequant_ref(q.cpu(), s.cpu(), 8, 32)
+    x64 = x.detach().cpu().double().requires_grad_()
+    b64 = bias.detach().cpu().double().requires_grad_()
+    ref = act_ref(x64 @ wd.T + b64, "gelu")
+    rx, rb = torch.autograd.grad(ref, (x64, b64), g.cpu().double())
+    torch.testing.assert_close(dx.cpu().double(), rx, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dbias.cpu().double(), rb, rtol=1e-4, atol=1e-4)
+    assert not q.requires_grad and not s.requires_grad
