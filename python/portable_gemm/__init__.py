@@ -1,19 +1,54 @@
 """portable_gemm: GEMM and weight-only quantised linear ops for every PyTorch from 2.9 on.
 
-Importing picks the binding compiled for the newest stable-ABI target the installed torch
-can run (see `info()`, or `python -m portable_gemm info`), registers its ops under
-torch.ops.portable_gemm, and exposes typed wrappers.
+When torch is imported, this picks the binding compiled for the newest stable-ABI target the
+installed torch can run (see `info()` or `python -m portable_gemm info`), registers its ops
+under torch.ops.portable_gemm and exposes typed wrappers.
+
+Import torch first (the usual case) and everything is loaded by `import portable_gemm`.
+Otherwise loading waits for the first use of a torch-facing name (gemm, info, ...), so that
+`import portable_gemm.dlpack` - the torch-free door - never imports torch.
 """
 
-import torch  # noqa: F401  (the bindings resolve their symbols against the loaded libtorch)
+import importlib
+import sys
 
-from . import _loader
 from ._namespace import NAMESPACE
 
-_state = _loader.load()
+_OPS = ("gemm", "quantize_weight", "mixed_linear", "dequantize_weight")
+__all__ = [*_OPS, "info", "NAMESPACE"]
+_state = None
 
-from .ops import dequantize_weight, gemm, mixed_linear, quantize_weight  # noqa: E402
-from ._info import info  # noqa: E402
 
-__version__ = _state.manifest.get("project_version", "unknown")
-__all__ = ["gemm", "quantize_weight", "mixed_linear", "dequantize_weight", "info", "NAMESPACE"]
+def _load():
+    """Import torch, load the matching binding, register the ops (once per process)."""
+    global _state
+    if _state is None:
+        import torch  # noqa: F401  (the bindings resolve their symbols against libtorch)
+
+        from . import _loader
+
+        _state = _loader.load()
+        importlib.import_module(f"{__name__}.ops")  # fake kernels and autograd
+    return _state
+
+
+def __getattr__(name):
+    if name in _OPS:
+        _load()
+        value = getattr(sys.modules[f"{__name__}.ops"], name)
+    elif name == "info":
+        _load()
+        from ._info import info as value
+    elif name == "__version__":
+        value = _load().manifest.get("project_version", "unknown")
+    elif name == "nn":
+        _load()
+        value = importlib.import_module(f"{__name__}.nn")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+if "torch" in sys.modules:
+    _load()

@@ -7,7 +7,10 @@ import math
 
 import torch
 
+from . import _load
 from ._namespace import NAMESPACE
+
+_load()  # the schemas must exist before fake kernels and autograd attach to them
 
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2, "gelu": 3}
 GROUP_SIZES = (32, 64, 128)

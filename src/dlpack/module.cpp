@@ -1,0 +1,248 @@
+// portable_gemm._dlpack: gemm / quantize_weight / mixed_linear for any array that speaks
+// DLPack or the buffer protocol (NumPy on the CPU), without torch. Same kernel library,
+// same validation; threads from the library's own pool. CPU arrays only for now: CUDA
+// arrays are refused with a clear error (outputs would need a device allocator here).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <portable_gemm/kernels.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+
+namespace nb = nanobind;
+namespace pg = portable_gemm;
+
+namespace {
+
+using Array = nb::ndarray<nb::ro, nb::device::cpu>;
+
+const char* dtype_label(nb::dlpack::dtype t) {
+  if (t == nb::dtype<float>()) return "float32";
+  if (t == nb::dtype<double>()) return "float64";
+  if (t == nb::dtype<int8_t>()) return "int8";
+  if (t == nb::dtype<uint8_t>()) return "uint8";
+  if (t == nb::dtype<uint16_t>()) return "uint16";
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16) return "float16";
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return "bfloat16";
+  return "an unsupported dtype";
+}
+
+// Float operand dtype. NumPy has no bfloat16: bf16 data travels as uint16 bit patterns with
+// bf16_bits=True (e.g. `x.view(np.uint16)` of an ml_dtypes.bfloat16 array).
+pg::DType float_dtype(const Array& a, const char* name, bool bf16_bits) {
+  const auto t = a.dtype();
+  if (t == nb::dtype<float>()) return pg::DType::f32;
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16) return pg::DType::f16;
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return pg::DType::bf16;
+  if (bf16_bits && t == nb::dtype<uint16_t>()) return pg::DType::bf16;
+  throw nb::type_error((std::string(name) + " must be float32, float16 or bfloat16 (or uint16 bit patterns "
+                        "with bf16_bits=True), got " + dtype_label(t)).c_str());
+}
+
+pg::ConstMatrix matrix(const Array& a, const char* name, pg::DType dt) {
+  if (a.ndim() != 2)
+    throw nb::value_error((std::string(name) + " must be 2-D, got " + std::to_string(a.ndim()) + " dims").c_str());
+  return pg::ConstMatrix{a.data(), (int64_t)a.shape(0), (int64_t)a.shape(1), (int64_t)a.stride(0),
+                         (int64_t)a.stride(1), dt};
+}
+
+pg::Activation activation(const std::string& name) {
+  if (name == "none") return pg::Activation::none;
+  if (name == "relu") return pg::Activation::relu;
+  if (name == "silu") return pg::Activation::silu;
+  if (name == "gelu") return pg::Activation::gelu;
+  throw nb::value_error(("activation must be one of none, relu, silu, gelu; got '" + name + "'").c_str());
+}
+
+size_t elem_size(pg::DType t) { return t == pg::DType::f32 ? 4 : (t == pg::DType::i8 || t == pg::DType::u8) ? 1 : 2; }
+
+nb::dlpack::dtype dl_dtype(pg::DType t, bool bf16_bits) {
+  switch (t) {
+    case pg::DType::f32: return nb::dtype<float>();
+    case pg::DType::f16: return {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+    case pg::DType::bf16:
+      return bf16_bits ? nb::dtype<uint16_t>()
+                       : nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+    case pg::DType::i8: return nb::dtype<int8_t>();
+    default: return nb::dtype<uint8_t>();
+  }
+}
+
+// A fresh, owned, C-contiguous host array of the input's framework (NumPy for NumPy).
+struct Output {
+  void* data = nullptr;
+  size_t shape[2] = {0, 0};
+  size_t ndim = 2;
+  pg::DType dtype;
+  Output(std::initializer_list<size_t> dims, pg::DType t) : dtype(t) {
+    ndim = dims.size();
+    size_t n = 1, i = 0;
+    for (size_t d : dims) n *= (shape[i++] = d);
+    data = std::aligned_alloc(64, ((n * elem_size(t) + 63) / 64) * 64 + 64);
+    if (!data) throw std::bad_alloc();
+  }
+  nb::object to_python(nb::handle like, bool bf16_bits) {
+    nb::capsule owner(data, [](void* p) noexcept { std::free(p); });
+    data = nullptr;
+    const auto dt = dl_dtype(dtype, bf16_bits);
+    nb::ndarray<> arr(owner.data(), ndim, shape, owner, nullptr, dt, nb::device::cpu::value);
+    std::string mod = nb::borrow<nb::str>(nb::handle(like.type()).attr("__module__")).c_str();
+    if (mod.rfind("torch", 0) == 0) return nb::cast(nb::ndarray<nb::pytorch>(arr));
+    if (mod.rfind("jax", 0) == 0) return nb::cast(nb::ndarray<nb::jax>(arr));
+    return nb::cast(nb::ndarray<nb::numpy>(arr));
+  }
+  ~Output() { std::free(data); }
+};
+
+Array as_array(nb::handle h, const char* name) {
+  Array a;
+  if (!nb::try_cast<Array>(h, a))
+    throw nb::type_error((std::string(name) + " must be a CPU array (NumPy, or any object with __dlpack__ on "
+                          "the CPU); CUDA arrays are not supported by the DLPack door yet, got " +
+                          nb::inst_name(h).c_str()).c_str());
+  return a;
+}
+
+void check(const pg::Status& s) {
+  if (!s.ok()) throw nb::value_error(s.message ? s.message : "invalid arguments");
+}
+
+nb::object gemm(nb::handle a_obj, const Array& a, const Array& b, std::optional<Array> bias,
+                const std::string& act, bool bf16_bits) {
+  pg::GemmArgs args;
+  const pg::DType dt = float_dtype(a, "a", bf16_bits);
+  args.a = matrix(a, "a", dt);
+  args.b = matrix(b, "b", float_dtype(b, "b", bf16_bits));
+  if (args.b.dtype != dt) throw nb::type_error("b must have the same dtype as a");
+  if (bias) {
+    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1)
+      throw nb::value_error("bias must be a 1-D array of a's dtype");
+    args.bias = bias->data();
+    args.bias_stride = bias->stride(0);
+  }
+  args.activation = activation(act);
+  Output out({(size_t)args.a.rows, (size_t)args.b.cols}, dt);
+  args.c = pg::Matrix{out.data, args.a.rows, args.b.cols, std::max<int64_t>(args.b.cols, 1), 1, dt};
+  check(pg::validate_gemm(args));
+  {
+    nb::gil_scoped_release release;
+    check(pg::cpu::gemm(args, pg::builtin_executor()));
+  }
+  return out.to_python(a_obj, bf16_bits);
+}
+
+int64_t group_code(std::optional<int64_t> g) {
+  if (!g) return 0;
+  if (*g <= 0) throw nb::value_error("group_size must be None (per channel) or positive");
+  return *g;
+}
+
+nb::tuple quantize_weight(nb::handle w_obj, const Array& w, int bits, std::optional<int64_t> group_size,
+                          bool bf16_bits) {
+  pg::QuantizeArgs args;
+  const pg::DType dt = float_dtype(w, "weight", bf16_bits);
+  args.w = matrix(w, "weight", dt);
+  args.bits = bits;
+  args.group_size = group_code(group_size);
+  if (bits != 4 && bits != 8) throw nb::value_error("bits must be 4 or 8");
+  const size_t n = args.w.rows, k = args.w.cols;
+  if (args.group_size && k % args.group_size) throw nb::value_error("group_size must divide K");
+  if (bits == 4 && k % 2) throw nb::value_error("int4 needs an even K");
+  Output q({n, bits == 8 ? k : k / 2}, bits == 8 ? pg::DType::i8 : pg::DType::u8);
+  Output s = args.group_size ? Output({n, k / args.group_size}, dt) : Output({n}, dt);
+  args.qweight = q.data;
+  args.scales = s.data;
+  args.scales_dtype = dt;
+  check(pg::validate_quantize(args));
+  {
+    nb::gil_scoped_release release;
+    check(pg::cpu::quantize(args, pg::builtin_executor()));
+  }
+  nb::object qo = q.to_python(w_obj, bf16_bits);
+  return nb::make_tuple(qo, s.to_python(w_obj, bf16_bits));
+}
+
+nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, const Array& scales, int bits,
+                        std::optional<int64_t> group_size, std::optional<Array> bias, const std::string& act,
+                        bool bf16_bits) {
+  pg::MixedLinearArgs args;
+  const pg::DType dt = float_dtype(x, "x", bf16_bits);
+  args.x = matrix(x, "x", dt);
+  if (bits != 4 && bits != 8) throw nb::value_error("bits must be 4 or 8");
+  const auto want_q = bits == 8 ? nb::dtype<int8_t>() : nb::dtype<uint8_t>();
+  if (qweight.dtype() != want_q)
+    throw nb::type_error((std::string("qweight must be ") + (bits == 8 ? "int8" : "uint8") + " for bits=" +
+                          std::to_string(bits) + ", got " + dtype_label(qweight.dtype())).c_str());
+  if (qweight.ndim() != 2 || qweight.stride(1) != 1)
+    throw nb::value_error("qweight must be 2-D with contiguous rows (as quantize_weight returns it)");
+  args.w.data = qweight.data();
+  args.w.n = qweight.shape(0);
+  args.w.k = args.x.cols;
+  args.w.row_stride = qweight.stride(0);
+  args.w.bits = bits;
+  args.w.group_size = group_code(group_size);
+  args.w.scales = scales.data();
+  args.w.scales_dtype = float_dtype(scales, "scales", bf16_bits);
+  const size_t want_ndim = args.w.group_size ? 2 : 1;
+  if (scales.ndim() != want_ndim || (want_ndim == 2 && scales.stride(1) != 1))
+    throw nb::value_error(args.w.group_size ? "scales must be [N, K / group_size] with contiguous rows"
+                                            : "scales must be 1-D [N] for per-channel quantisation");
+  args.w.scales_row_stride = scales.stride(0);
+  if ((bits == 8 ? qweight.shape(1) : 2 * qweight.shape(1)) != (size_t)args.x.cols)
+    throw nb::value_error("qweight does not match x's K (int4: [N, K/2])");
+  if (bias) {
+    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1)
+      throw nb::value_error("bias must be a 1-D array of x's dtype");
+    args.bias = bias->data();
+    args.bias_stride = bias->stride(0);
+  }
+  args.activation = activation(act);
+  Output out({(size_t)args.x.rows, (size_t)args.w.n}, dt);
+  args.y = pg::Matrix{out.data, args.x.rows, args.w.n, std::max<int64_t>(args.w.n, 1), 1, dt};
+  check(pg::validate_mixed_linear(args));
+  {
+    nb::gil_scoped_release release;
+    check(pg::cpu::mixed_linear(args, pg::builtin_executor()));
+  }
+  return out.to_python(x_obj, bf16_bits);
+}
+
+}  // namespace
+
+NB_MODULE(_dlpack, m) {
+  m.doc() = "Torch-free door to the portable_gemm kernels (CPU arrays via DLPack / buffer protocol).";
+  m.def("gemm",
+        [](nb::handle a_obj, nb::handle b_obj, std::optional<nb::handle> bias_obj, const std::string& act,
+           bool bf16_bits) {
+          Array a = as_array(a_obj, "a"), b = as_array(b_obj, "b");
+          std::optional<Array> bias;
+          if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
+          return gemm(a_obj, a, b, bias, act, bf16_bits);
+        },
+        nb::arg("a"), nb::arg("b"), nb::arg("bias").none() = nb::none(), nb::arg("activation") = "none",
+        nb::arg("bf16_bits") = false);
+  m.def("quantize_weight",
+        [](nb::handle w_obj, int bits, std::optional<int64_t> group_size, bool bf16_bits) {
+          return quantize_weight(w_obj, as_array(w_obj, "weight"), bits, group_size, bf16_bits);
+        },
+        nb::arg("weight"), nb::arg("bits"), nb::arg("group_size").none() = nb::none(),
+        nb::arg("bf16_bits") = false);
+  m.def("mixed_linear",
+        [](nb::handle x_obj, nb::handle q_obj, nb::handle s_obj, int bits, std::optional<int64_t> group_size,
+           std::optional<nb::handle> bias_obj, const std::string& act, bool bf16_bits) {
+          std::optional<Array> bias;
+          if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
+          return mixed_linear(x_obj, as_array(x_obj, "x"), as_array(q_obj, "qweight"), as_array(s_obj, "scales"), bits,
+                              group_size, bias, act, bf16_bits);
+        },
+        nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("bits"),
+        nb::arg("group_size").none() = nb::none(), nb::arg("bias").none() = nb::none(),
+        nb::arg("activation") = "none", nb::arg("bf16_bits") = false);
+  m.def("build_info", [] { return std::string(pg::build_info()); });
+  m.def("cpu_isa", [] { return std::string(pg::cpu::isa()); });
+}

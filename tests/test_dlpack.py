@@ -1,0 +1,79 @@
+"""The torch-free DLPack door: no torch import, same kernels as the torch ops (bit for bit on
+the CPU), every dtype from NumPy, clear TypeError / ValueError for bad input."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_python
+
+import portable_gemm as pg
+import portable_gemm.dlpack as door
+
+
+def test_import_does_not_import_torch():
+    proc = run_python("import sys, numpy as np\nimport portable_gemm.dlpack as d\n"
+                      "d.gemm(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32))\n"
+                      "print('torch' in sys.modules)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def from_bits(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_gemm_equals_torch_path_bitwise(dtype, activation):
+    a, b = torch.randn(37, 70).to(dtype), torch.randn(70, 29).to(dtype)
+    bias = torch.randn(29).to(dtype)
+    want = pg.gemm(a, b, bias=bias, activation=activation)
+    if dtype == torch.bfloat16:
+        got = from_bits(door.gemm(bf16_bits(a), bf16_bits(b), bf16_bits(bias), activation, bf16_bits=True))
+    else:
+        got = torch.from_numpy(door.gemm(a.numpy(), b.numpy(), bias.numpy(), activation))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
+def test_quantize_and_mixed_equal_torch_path(bits, group):
+    w = torch.randn(24, 128)
+    q_t, s_t = pg.quantize_weight(w, bits=bits, group_size=group)
+    q_n, s_n = door.quantize_weight(w.numpy(), bits, group)
+    assert torch.equal(torch.from_numpy(q_n), q_t) and torch.equal(torch.from_numpy(s_n), s_t)
+    x = torch.randn(5, 128, dtype=torch.float16)
+    want = pg.mixed_linear(x, q_t, s_t, bits=bits, group_size=group)
+    got = door.mixed_linear(x.numpy(), q_n, s_n, bits, group)
+    assert got.dtype == np.float16
+    assert torch.equal(torch.from_numpy(got), want)
+
+
+def test_strided_numpy_views():
+    a = np.random.randn(40, 60).astype(np.float32)
+    b = np.random.randn(30, 60).astype(np.float32).T  # transposed view
+    got = door.gemm(a[::2, 1:], b[1:])
+    np.testing.assert_allclose(got, a[::2, 1:].astype(np.float64) @ b[1:], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: door.gemm(np.ones((2, 3)), np.ones((3, 4))), TypeError, "got float64"),
+    (lambda: door.gemm(np.ones((2, 3), np.float32), np.ones((3, 4), np.float16)), TypeError, "same dtype"),
+    (lambda: door.gemm(np.ones(3, np.float32), np.ones((3, 4), np.float32)), ValueError, "must be 2-D"),
+    (lambda: door.gemm(np.ones((2, 3), np.float32), np.ones((5, 4), np.float32)), ValueError, "K"),
+    (lambda: door.gemm(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), activation="tanh"),
+     ValueError, "activation must be one of"),
+    (lambda: door.gemm([[1.0]], np.ones((1, 1), np.float32)), TypeError, "must be a CPU array"),
+    (lambda: door.quantize_weight(np.ones((4, 6), np.float32), 3), ValueError, "bits must be 4 or 8"),
+    (lambda: door.quantize_weight(np.ones((4, 6), np.float32), 8, 4), ValueError, "group_size must divide K"),
+    (lambda: door.mixed_linear(np.ones((2, 8), np.float32), np.ones((4, 8), np.uint8),
+                               np.ones(4, np.float32), 8), TypeError, "qweight must be int8"),
+    (lambda: door.mixed_linear(np.ones((2, 8), np.float32), np.ones((4, 8), np.int8).T.copy().T,
+                               np.ones(4, np.float32), 8), ValueError, "contiguous rows"),
+])
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
