@@ -1,0 +1,172 @@
+// Private helpers shared by the CPU kernels: scalar dtype conversion, activations, the
+// fused epilogue, the run-time ISA choice and the dense GEMM driver that mixed_linear
+// reuses for large M. Nothing here is part of the library's ABI.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "portable_gemm/kernels.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+// x86 kernels are compiled per function with target attributes, so that the library
+// itself stays baseline x86-64 and picks an ISA at run time.
+#define PG_X86 1
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's own AVX-512 headers trip -Wmaybe-uninitialized (_mm512_undefined_* is
+// "initialised" from itself); the warning is about the header, not about our code.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#define PG_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define PG_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define PG_X86 0
+#endif
+
+#if defined(__clang__)
+#define PG_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define PG_UNROLL _Pragma("GCC unroll 32")
+#else
+#define PG_UNROLL
+#endif
+
+namespace portable_gemm {
+namespace cpu {
+
+// ---- scalar conversions (bit-exact IEEE, round-to-nearest-even) --------------------
+
+inline float bits_to_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t f32_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float bf16_to_f32(uint16_t h) { return bits_to_f32(uint32_t(h) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = f32_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round half to even; overflow correctly gives inf
+  return uint16_t(u >> 16);
+}
+
+// The float-arithmetic formulation (after Maratyszcza's FP16 library) handles
+// subnormals, overflow and rounding without branches; it relies on IEEE float math,
+// which holds as long as the library is not built with -ffast-math.
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = bits_to_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = bits_to_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t result =
+      sign | (two_w < (1u << 27) ? f32_to_bits(denormalized) : f32_to_bits(normalized));
+  return bits_to_f32(result);
+}
+
+inline uint16_t f32_to_f16(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = f32_to_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_to_f32((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f32_to_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+inline float load_f32(const void* base, int64_t index, DType t) {
+  switch (t) {
+    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(base)[index]);
+    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(base)[index]);
+    default: return static_cast<const float*>(base)[index];
+  }
+}
+
+inline void store_f32(void* base, int64_t index, DType t, float v) {
+  switch (t) {
+    case DType::f16: static_cast<uint16_t*>(base)[index] = f32_to_f16(v); break;
+    case DType::bf16: static_cast<uint16_t*>(base)[index] = f32_to_bf16(v); break;
+    default: static_cast<float*>(base)[index] = v; break;
+  }
+}
+
+inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : t == DType::i8 || t == DType::u8 ? 1 : 2; }
+
+// dst[i] = src[i * stride] as fp32, for n elements; vectorised where the ISA allows.
+void convert_to_f32(const void* src, int64_t stride, DType t, int64_t n, float* dst);
+
+// ---- activation ----------------------------------------------------------------------
+
+inline float activate(float x, Activation a) {
+  switch (a) {
+    case Activation::relu: return x > 0.f ? x : 0.f;
+    case Activation::silu: return x / (1.f + std::exp(-x));
+    case Activation::gelu: return 0.5f * x * (1.f + std::erf(x * 0.70710678118654752f));
+    default: return x;
+  }
+}
+
+// ---- fused epilogue ------------------------------------------------------------------
+
+// Writes c[i0 + i, j0 + j] = act(tile[i * ldt + j] + bias[j0 + j]) converted to c's dtype,
+// for i < m, j < n. bias is fp32 and contiguous (converted once per call), or null.
+struct Epilogue {
+  const float* bias = nullptr;
+  Activation act = Activation::none;
+  Matrix c;
+  void store(const float* tile, int64_t ldt, int64_t i0, int64_t m, int64_t j0,
+             int64_t n) const;
+};
+
+// ---- run-time ISA --------------------------------------------------------------------
+
+enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
+// Chosen once: the best the CPU supports, optionally lowered (never raised) with the
+// environment variable PORTABLE_GEMM_ISA=generic|avx2|avx512 for testing fallbacks.
+Isa active_isa();
+
+// ---- dense GEMM driver (gemm.cpp) -------------------------------------------------------
+
+// Writes B(k0 .. k0+kc, n0 .. n0+nc) into dst as ceil(nc / nr) slivers of kc x nr fp32
+// (sliver s, row k at dst[(s * kc + k) * nr]), zero-filling columns past nc. This is
+// how mixed_linear feeds dequantised weights to the same micro-kernels as gemm.
+using PackB = void (*)(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc,
+                       int nr, float* dst);
+
+struct DenseProblem {
+  int64_t m = 0, n = 0, k = 0;
+  ConstMatrix a;                  // m x k, any float dtype and strides
+  PackB pack_b = nullptr;         // k x n
+  const void* b_ctx = nullptr;
+  const float* b_direct = nullptr;  // optional: B as row-major fp32 (column stride 1),
+  int64_t b_direct_ld = 0;          // readable in place; its row stride
+  const void* bias = nullptr;     // n elements of c's dtype, or null
+  int64_t bias_stride = 1;
+  Matrix c;                       // m x n
+  Activation act = Activation::none;
+};
+
+// c = act(a @ B + bias); assumes validated arguments, m, n > 0.
+void dense_gemm(const DenseProblem& p, const Executor& exec);
+
+// Reusable per-thread scratch (kernels are called often with similar sizes: avoid the
+// page faults of fresh large allocations on every call). Slot selects independent
+// buffers; the pointer is 64-byte aligned and valid until the next call with that slot
+// on this thread.
+float* scratch(int slot, size_t floats);
+
+}  // namespace cpu
+}  // namespace portable_gemm

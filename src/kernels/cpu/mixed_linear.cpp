@@ -1,0 +1,327 @@
+// Weight-only quantised linear: y = act(x @ dequant(w)^T + bias).
+//
+// Two regimes:
+//  * small M (decode, M <= 32): bandwidth-bound on the weight. x is converted once to
+//    a contiguous fp32 buffer; threads take blocks of output channels; each weight row
+//    is streamed once per chunk of up to 8 rows of x (later chunks hit L1, the block of
+//    weight rows is a few KB), dequantised in registers and FMA'd against every row of
+//    the chunk. Group scales are folded into the dequantised weights, so no horizontal
+//    reductions happen inside K.
+//  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
+//    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
+//    the same micro-kernels, blocking and fused epilogue as gemm.
+#include <algorithm>
+#include <cstring>
+
+#include "cpu/common.h"
+
+#if PG_X86
+#include <immintrin.h>
+#endif
+
+namespace portable_gemm {
+namespace cpu {
+
+namespace {
+
+constexpr int64_t kSmallM = 32;  // above this, the dense path wins
+
+inline float scale_at(const QuantizedWeight& w, int64_t n, int64_t g) {
+  return load_f32(w.scales, n * w.scales_row_stride + g, w.scales_dtype);
+}
+
+// out[k] = dequant(w)(n, k0 + k) for k < kc.
+void dequant_row(const QuantizedWeight& w, int64_t n, int64_t k0, int64_t kc, float* out) {
+  const uint8_t* q = static_cast<const uint8_t*>(w.data) + n * w.row_stride;
+  const int64_t gs = w.group_size > 0 ? w.group_size : w.k;
+  int64_t k = k0;
+  const int64_t kend = k0 + kc;
+  while (k < kend) {
+    const int64_t g = w.group_size > 0 ? k / gs : 0;
+    const int64_t stop = std::min(kend, (g + 1) * gs);
+    const float s = scale_at(w, n, g);
+    float* o = out + (k - k0);
+    const int64_t len = stop - k;
+    if (w.bits == 8) {
+      const int8_t* qs = reinterpret_cast<const int8_t*>(q) + k;
+      for (int64_t i = 0; i < len; ++i) o[i] = float(qs[i]) * s;
+    } else {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t kk = k + i;
+        const int8_t byte = static_cast<int8_t>(q[kk >> 1]);
+        // Signed nibbles: shift the wanted one to the top, then arithmetic shift down.
+        const int v = (kk & 1) ? (byte >> 4) : (static_cast<int8_t>(byte << 4) >> 4);
+        o[i] = float(v) * s;
+      }
+    }
+    k = stop;
+  }
+}
+
+// PackB over the dequantised weight: B(k, n) = dequant(w)(n, k).
+void pack_b_quant(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc, int nr,
+                  float* dst) {
+  const QuantizedWeight& w = *static_cast<const QuantizedWeight*>(ctx);
+  float* row = scratch(5, size_t(kc));
+  for (int64_t s = 0; s * nr < nc; ++s) {
+    float* d = dst + s * kc * nr;
+    const int64_t cols = std::min<int64_t>(nr, nc - s * nr);
+    for (int64_t j = 0; j < cols; ++j) {
+      dequant_row(w, n0 + s * nr + j, k0, kc, row);
+      for (int64_t k = 0; k < kc; ++k) d[k * nr + j] = row[k];
+    }
+    for (int64_t j = cols; j < nr; ++j)
+      for (int64_t k = 0; k < kc; ++k) d[k * nr + j] = 0.f;
+  }
+}
+
+// ---- small-M path ------------------------------------------------------------------
+
+struct SmallJob {
+  const MixedLinearArgs* args;
+  const float* x;  // M x K fp32, row stride ldx (int4 vector path: permuted, see below)
+  int64_t ldx;
+  int64_t m, n, k;
+  Epilogue ep;
+  bool vector_path;
+};
+
+// Portable: dequantise one weight row to fp32 (L1-resident), then dot it with every row
+// of x. Eight partial sums keep the reduction vectorisable without -ffast-math.
+void small_rows_generic(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
+  const QuantizedWeight& w = job.args->w;
+  const int64_t K = job.k;
+  float* row = scratch(4, size_t(K));
+  for (int64_t n = n0; n < n1; ++n) {
+    dequant_row(w, n, 0, K, row);
+    for (int64_t m = 0; m < job.m; ++m) {
+      const float* xm = job.x + m * job.ldx;
+      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        for (int j = 0; j < 8; ++j) part[j] += row[k + j] * xm[k + j];
+      float sum = 0.f;
+      for (; k < K; ++k) sum += row[k] * xm[k];
+      for (int j = 0; j < 8; ++j) sum += part[j];
+      res[m * ldr + (n - n0)] = sum;
+    }
+  }
+}
+
+#if PG_X86
+// NB weight rows x MB rows of x. int8: 16 k per step. int4: 32 k per step from 16 bytes;
+// the low nibbles (even k) and high nibbles (odd k) land in two vectors, so x was
+// stored permuted per 32-block (16 even k, then 16 odd k) and no shuffles are needed.
+// Weights are multiplied by their group's scale (per-channel: one group covering the
+// vectorised part of K); the scalar tail only exists per-channel.
+template <int MB, int NB, bool INT4>
+PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* rows, int64_t m0,
+                                         float* out /* [NB][MB] */) {
+  const QuantizedWeight& w = job.args->w;
+  const int64_t K = job.k;
+  constexpr int64_t step = INT4 ? 32 : 16;
+  const int64_t kvec = K / step * step;
+  const int64_t gs = w.group_size > 0 ? w.group_size : kvec;
+  const int64_t groups = w.group_size > 0 ? K / gs : 1;
+  const uint8_t* q[NB];
+  for (int r = 0; r < NB; ++r) q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride;
+  const float* x = job.x + m0 * job.ldx;
+  const int64_t ldx = job.ldx;
+
+  __m512 acc[NB][MB];
+  PG_UNROLL for (int r = 0; r < NB; ++r)
+    PG_UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+
+  for (int64_t g = 0; g < groups && gs > 0; ++g) {
+    __m512 s[NB];
+    PG_UNROLL for (int r = 0; r < NB; ++r) s[r] = _mm512_set1_ps(scale_at(w, rows[r], g));
+    const int64_t kend = (g + 1) * gs;
+    for (int64_t k = g * gs; k < kend; k += step) {
+      if (INT4) {
+        __m512 lo[NB], hi[NB];
+        PG_UNROLL for (int r = 0; r < NB; ++r) {
+          const __m512i v = _mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + k / 2)));
+          lo[r] = _mm512_mul_ps(
+              _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28)), s[r]);
+          hi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 4)), s[r]);
+        }
+        PG_UNROLL for (int m = 0; m < MB; ++m) {
+          const __m512 xe = _mm512_loadu_ps(x + m * ldx + k);
+          const __m512 xo = _mm512_loadu_ps(x + m * ldx + k + 16);
+          PG_UNROLL for (int r = 0; r < NB; ++r) {
+            acc[r][m] = _mm512_fmadd_ps(lo[r], xe, acc[r][m]);
+            acc[r][m] = _mm512_fmadd_ps(hi[r], xo, acc[r][m]);
+          }
+        }
+      } else {
+        __m512 wf[NB];
+        PG_UNROLL for (int r = 0; r < NB; ++r)
+          wf[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                    reinterpret_cast<const __m128i*>(q[r] + k)))),
+                                s[r]);
+        PG_UNROLL for (int m = 0; m < MB; ++m) {
+          const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+          PG_UNROLL for (int r = 0; r < NB; ++r) acc[r][m] = _mm512_fmadd_ps(wf[r], xv, acc[r][m]);
+        }
+      }
+    }
+  }
+  // Fully unrolled like every access to acc: one non-constant index would force the
+  // whole array into memory, with a store per FMA in the loop above.
+  PG_UNROLL for (int r = 0; r < NB; ++r)
+    PG_UNROLL for (int m = 0; m < MB; ++m) out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
+
+  if (kvec < K) {  // per-channel only: group sizes are multiples of step here
+    for (int r = 0; r < NB; ++r) {
+      const float s = scale_at(w, rows[r], 0);
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + m * ldx;
+        float sum = 0.f;
+        for (int64_t k = kvec; k < K; ++k) {
+          int v;
+          if (INT4) {
+            const int8_t byte = static_cast<int8_t>(q[r][k >> 1]);
+            v = (k & 1) ? (byte >> 4) : (static_cast<int8_t>(byte << 4) >> 4);
+          } else {
+            v = reinterpret_cast<const int8_t*>(q[r])[k];
+          }
+          sum += float(v) * xm[k];
+        }
+        out[r * MB + m] += sum * s;
+      }
+    }
+  }
+}
+
+// Register budget (32 zmm): NB x MB accumulators + NB (int4: 2 NB) dequantised weight
+// vectors + the x operand. MB = 8 pairs with NB = 2; smaller MB takes NB = 4 so that
+// each x load feeds four FMAs and four independent weight streams are in flight.
+template <int MB, int NB, bool INT4>
+void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, int64_t ldr,
+                int64_t n0) {
+  // A short last block repeats its final row: the extra results are dropped, and it
+  // avoids instantiating every kernel for every row count.
+  int64_t rows[NB];
+  for (int r = 0; r < NB; ++r) rows[r] = n + std::min(r, nb - 1);
+  float out[NB * MB];
+  small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
+  for (int r = 0; r < nb; ++r)
+    for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
+}
+
+template <bool INT4>
+void small_rows_avx512(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
+  // Rows of x in chunks of 8, 4, 2, 1; each block of weight rows is read from memory by
+  // the first chunk and from L1 by the others.
+  const int64_t m8 = job.m / 8 * 8;
+  const int64_t rest = job.m - m8;
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nb4 = int(std::min<int64_t>(4, n1 - n));
+    for (int64_t m0 = 0; m0 < m8; m0 += 8)
+      for (int64_t h = 0; h < nb4; h += 2)
+        small_pass<8, 2, INT4>(job, n + h, int(std::min<int64_t>(2, nb4 - h)), m0, res, ldr, n0);
+    int64_t m0 = m8;
+    if (rest & 4) { small_pass<4, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 4; }
+    if (rest & 2) { small_pass<2, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
+    if (rest & 1) { small_pass<1, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
+  }
+}
+#endif
+
+void small_task(void* ctx, int64_t n0, int64_t n1) {
+  const SmallJob& job = *static_cast<const SmallJob*>(ctx);
+  const int64_t cols = n1 - n0;
+  float* res = scratch(0, size_t(job.m * cols));
+#if PG_X86
+  if (job.vector_path) {
+    if (job.args->w.bits == 4)
+      small_rows_avx512<true>(job, n0, n1, res, cols);
+    else
+      small_rows_avx512<false>(job, n0, n1, res, cols);
+  } else
+#endif
+  {
+    small_rows_generic(job, n0, n1, res, cols);
+  }
+  job.ep.store(res, cols, 0, job.m, n0, cols);
+}
+
+Status small_m(const MixedLinearArgs& args, const Executor& exec) {
+  const int64_t M = args.x.rows, N = args.w.n, K = args.w.k;
+  SmallJob job;
+  job.args = &args;
+  job.m = M;
+  job.n = N;
+  job.k = K;
+  job.ep.act = args.activation;
+  job.ep.c = args.y;
+  const int64_t step = args.w.bits == 4 ? 32 : 16;
+  job.vector_path = active_isa() == Isa::avx512 &&
+                    (args.w.group_size == 0 || args.w.group_size % step == 0);
+  if (args.bias != nullptr) {
+    float* b = scratch(3, size_t(N));
+    convert_to_f32(args.bias, args.bias_stride, args.y.dtype, N, b);
+    job.ep.bias = b;
+  }
+  // x as contiguous fp32, shared read-only by all threads; row stride padded to 16
+  // floats so vector loads of different rows start on cache-line boundaries.
+  job.ldx = (K + 15) / 16 * 16;
+  float* x = scratch(2, size_t(M * job.ldx));
+  const int64_t es = int64_t(dtype_size(args.x.dtype));
+  const char* xb = static_cast<const char*>(args.x.data);
+  const bool permute = job.vector_path && args.w.bits == 4;
+  float* tmp = permute ? scratch(4, size_t(K)) : nullptr;
+  for (int64_t m = 0; m < M; ++m) {
+    float* xm = x + m * job.ldx;
+    const void* src = xb + m * args.x.row_stride * es;
+    if (!permute) {
+      convert_to_f32(src, args.x.col_stride, args.x.dtype, K, xm);
+      continue;
+    }
+    convert_to_f32(src, args.x.col_stride, args.x.dtype, K, tmp);
+    const int64_t kvec = K / 32 * 32;
+    for (int64_t b = 0; b < kvec; b += 32)
+      for (int j = 0; j < 16; ++j) {
+        xm[b + j] = tmp[b + 2 * j];
+        xm[b + 16 + j] = tmp[b + 2 * j + 1];
+      }
+    for (int64_t k = kvec; k < K; ++k) xm[k] = tmp[k];
+  }
+  job.x = x;
+  const int64_t threads = exec.num_threads ? exec.num_threads(exec.self) : 1;
+  // Threads get contiguous blocks of whole weight rows, at least 16 each, and only
+  // when the weight is big enough to amortise waking them.
+  if (threads > 1 && exec.parallel_for != nullptr && N * K * (M + 1) >= (1 << 18))
+    exec.parallel_for(exec.self, 0, N, std::max<int64_t>(16, (N + threads - 1) / threads),
+                      small_task, &job);
+  else
+    small_task(&job, 0, N);
+  return Status{};
+}
+
+}  // namespace
+
+Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
+  Status st = validate_mixed_linear(args);
+  if (!st.ok()) return st;
+  const int64_t M = args.x.rows, N = args.w.n, K = args.w.k;
+  if (M == 0 || N == 0) return st;
+  if (M <= kSmallM || K == 0) return small_m(args, exec);
+  DenseProblem p;
+  p.m = M;
+  p.n = N;
+  p.k = K;
+  p.a = args.x;
+  p.pack_b = pack_b_quant;
+  p.b_ctx = &args.w;
+  p.bias = args.bias;
+  p.bias_stride = args.bias_stride;
+  p.c = args.y;
+  p.act = args.activation;
+  dense_gemm(p, exec);
+  return st;
+}
+
+}  // namespace cpu
+}  // namespace portable_gemm

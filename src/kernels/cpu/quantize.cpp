@@ -1,0 +1,85 @@
+// Symmetric weight quantisation (the inverse of mixed_linear's dequantisation).
+//
+// q is computed by dividing by the scale *as stored* (after rounding to scales_dtype),
+// not by the fp32 absmax / qmax and not by multiplying with a reciprocal: then a weight
+// that is exactly q * stored_scale comes back exactly, and quantize(dequant(q)) == q.
+#include <algorithm>
+#include <cmath>
+
+#include "cpu/common.h"
+
+namespace portable_gemm {
+namespace cpu {
+
+namespace {
+
+struct QuantJob {
+  const QuantizeArgs* args;
+  int64_t k, groups, group_len;
+  float qmin, qmax;
+};
+
+void quantize_rows(void* ctx, int64_t begin, int64_t end) {
+  const QuantJob& job = *static_cast<const QuantJob*>(ctx);
+  const QuantizeArgs& a = *job.args;
+  const int64_t K = job.k;
+  const int64_t es = int64_t(dtype_size(a.w.dtype));
+  float* row = scratch(5, size_t(K));
+  for (int64_t n = begin; n < end; ++n) {
+    convert_to_f32(static_cast<const char*>(a.w.data) + n * a.w.row_stride * es, a.w.col_stride,
+                   a.w.dtype, K, row);
+    for (int64_t g = 0; g < job.groups; ++g) {
+      const float* v = row + g * job.group_len;
+      float absmax = 0.f;
+      for (int64_t i = 0; i < job.group_len; ++i) absmax = std::max(absmax, std::fabs(v[i]));
+      // Round the scale to its storage type first: q must be computed against the value
+      // a reader will multiply by.
+      const int64_t scale_index = a.group_size > 0 ? n * job.groups + g : n;
+      store_f32(a.scales, scale_index, a.scales_dtype, absmax / job.qmax);
+      const float scale = load_f32(a.scales, scale_index, a.scales_dtype);
+      int8_t q[2];
+      for (int64_t i = 0; i < job.group_len; ++i) {
+        float r = 0.f;
+        if (scale != 0.f) {
+          r = std::nearbyint(v[i] / scale);  // default FP environment: ties to even
+          r = std::min(std::max(r, job.qmin), job.qmax);
+          if (r != r) r = 0.f;  // NaN weight: no defined integer, store 0
+        }
+        const int64_t k = g * job.group_len + i;
+        if (a.bits == 8) {
+          static_cast<int8_t*>(a.qweight)[n * K + k] = static_cast<int8_t>(r);
+        } else {
+          q[k & 1] = static_cast<int8_t>(r);
+          if (k & 1)
+            static_cast<uint8_t*>(a.qweight)[n * (K / 2) + k / 2] =
+                static_cast<uint8_t>((q[0] & 0x0F) | ((q[1] & 0x0F) << 4));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Status quantize(const QuantizeArgs& args, const Executor& exec) {
+  Status st = validate_quantize(args);
+  if (!st.ok()) return st;
+  const int64_t n = args.w.rows, k = args.w.cols;
+  if (n == 0) return st;
+  QuantJob job;
+  job.args = &args;
+  job.k = k;
+  job.group_len = args.group_size > 0 ? args.group_size : k;
+  job.groups = args.group_size > 0 ? k / args.group_size : 1;
+  job.qmax = args.bits == 8 ? 127.f : 7.f;
+  job.qmin = -job.qmax - 1.f;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
+  if (exec.parallel_for != nullptr && n > grain)
+    exec.parallel_for(exec.self, 0, n, grain, quantize_rows, &job);
+  else
+    quantize_rows(&job, 0, n);
+  return st;
+}
+
+}  // namespace cpu
+}  // namespace portable_gemm

@@ -1,0 +1,189 @@
+// The library's own thread pool, used by callers that have no torch parallel_for to
+// lend (old torch targets, the DLPack module).
+//
+// Three situations shape this file:
+//  * fork(): a child inherits the pool's memory but not its threads. A pthread_atfork
+//    handler drops the child's pointer to the pool, so the child lazily builds a fresh
+//    one; the stale pool is never touched (its mutexes may be locked by threads that no
+//    longer exist, and its workers cannot be joined).
+//  * process exit: the pool is leaked on purpose. Joining workers from a static
+//    destructor can deadlock (e.g. exit() called from a worker or while another thread
+//    still holds the pool) and destroying a condition variable that sleeping threads
+//    wait on is undefined; the OS reclaims the threads at exit anyway.
+//  * re-entrancy: a body that calls parallel_for again (from a worker or from the
+//    calling thread) runs the inner loop inline, and a second thread that calls while a
+//    job is running also runs inline, rather than queueing behind it.
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if !defined(_WIN32)
+#include <pthread.h>
+#endif
+
+#include "portable_gemm/kernels.h"
+
+namespace portable_gemm {
+
+namespace {
+
+// True on pool workers and on a caller while it drives a job: nested calls run inline.
+thread_local bool t_inside_pool = false;
+
+int configured_threads() {
+  if (const char* env = std::getenv("PORTABLE_GEMM_NUM_THREADS")) {
+    char* end = nullptr;
+    long v = std::strtol(env, &end, 10);
+    if (end != env && v >= 1) return v > 1024 ? 1024 : static_cast<int>(v);
+  }
+  unsigned hc = std::thread::hardware_concurrency();
+  return hc == 0 ? 1 : static_cast<int>(hc);
+}
+
+class Pool {
+ public:
+  explicit Pool(int nthreads) : nthreads_(nthreads) {
+    for (int i = 1; i < nthreads_; ++i) {
+      std::thread t([this] { worker(); });
+      t.detach();  // never joined: see the comment at the top of the file
+    }
+  }
+
+  int num_threads() const { return nthreads_; }
+
+  void run(int64_t begin, int64_t end, int64_t grain, Executor::Body body, void* ctx) {
+    if (end <= begin) return;
+    if (grain < 1) grain = 1;
+    const int64_t n = end - begin;
+    int64_t nchunks = (n + grain - 1) / grain;
+    if (nchunks > nthreads_) nchunks = nthreads_;
+    if (nchunks <= 1 || t_inside_pool) {
+      body(ctx, begin, end);
+      return;
+    }
+    std::unique_lock<std::mutex> caller_lock(caller_mu_, std::try_to_lock);
+    if (!caller_lock.owns_lock()) {  // another thread is using the pool: do not wait
+      body(ctx, begin, end);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      body_ = body;
+      ctx_ = ctx;
+      begin_ = begin;
+      end_ = end;
+      nchunks_ = nchunks;
+      next_.store(0, std::memory_order_relaxed);
+      // Every worker acknowledges every job, so none can still be looking at this job's
+      // fields when the next one overwrites them.
+      pending_workers_ = nthreads_ - 1;
+      ++generation_;
+    }
+    work_cv_.notify_all();
+    t_inside_pool = true;
+    run_chunks();
+    t_inside_pool = false;
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [this] { return pending_workers_ == 0; });
+  }
+
+ private:
+  void run_chunks() {
+    for (;;) {
+      int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+      if (i >= nchunks_) return;
+      // Balanced split: chunk sizes differ by at most one item.
+      const int64_t n = end_ - begin_;
+      const int64_t lo = begin_ + n * i / nchunks_;
+      const int64_t hi = begin_ + n * (i + 1) / nchunks_;
+      if (hi > lo) body_(ctx_, lo, hi);
+    }
+  }
+
+  void worker() {
+    t_inside_pool = true;
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        work_cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+      }
+      run_chunks();
+      std::lock_guard<std::mutex> lk(mu_);
+      if (--pending_workers_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  const int nthreads_;
+  std::mutex caller_mu_;  // one job at a time
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  uint64_t generation_ = 0;
+  int pending_workers_ = 0;
+  // Job description, written under mu_ before generation_ changes.
+  Executor::Body body_ = nullptr;
+  void* ctx_ = nullptr;
+  int64_t begin_ = 0, end_ = 0, nchunks_ = 0;
+  std::atomic<int64_t> next_{0};
+};
+
+std::atomic<Pool*> g_pool{nullptr};
+std::mutex g_create_mu;
+
+#if !defined(_WIN32)
+// Holding g_create_mu across fork() keeps the child from inheriting it locked by a
+// thread that does not exist there.
+void atfork_prepare() { g_create_mu.lock(); }
+void atfork_parent() { g_create_mu.unlock(); }
+void atfork_child() {
+  g_pool.store(nullptr, std::memory_order_relaxed);  // leak the parent's pool
+  t_inside_pool = false;
+  g_create_mu.unlock();
+}
+#endif
+
+Pool& pool() {
+  Pool* p = g_pool.load(std::memory_order_acquire);
+  if (p) return *p;
+  std::lock_guard<std::mutex> lk(g_create_mu);
+  p = g_pool.load(std::memory_order_acquire);
+  if (!p) {
+#if !defined(_WIN32)
+    static const bool registered = [] {
+      pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+      return true;
+    }();
+    (void)registered;
+#endif
+    p = new Pool(configured_threads());  // intentionally leaked, see top of file
+    g_pool.store(p, std::memory_order_release);
+  }
+  return *p;
+}
+
+void pool_parallel_for(void*, int64_t begin, int64_t end, int64_t grain, Executor::Body body,
+                       void* ctx) {
+  pool().run(begin, end, grain, body, ctx);
+}
+
+int pool_num_threads(void*) { return pool().num_threads(); }
+
+}  // namespace
+
+const Executor& builtin_executor() {
+  static const Executor exec = [] {
+    Executor e;
+    e.parallel_for = pool_parallel_for;
+    e.num_threads = pool_num_threads;
+    e.self = nullptr;
+    e.name = "portable_gemm_pool";
+    return e;
+  }();
+  return exec;
+}
+
+}  // namespace portable_gemm

@@ -1,0 +1,404 @@
+// cuda::mixed_linear: y = act(x @ dequant(w)^T + bias), w int8 [N, K] or int4 packed
+// [N, K/2] with per-channel or group-wise scales (f32 / f16 / bf16).
+//   M <= 16:        GEMV kernel (bandwidth-bound; weights streamed once in 16-byte chunks).
+//   M > 16, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the fly.
+//   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
+#include "cuda/common.cuh"
+#include "cuda/simt_gemm.cuh"
+#include "cuda/tc_gemm.cuh"
+
+namespace portable_gemm {
+namespace cuda {
+namespace detail {
+
+struct QuantParams {
+  const uint8_t* q;
+  int64_t q_rs;  // bytes
+  int bits;
+  int64_t gs;  // 0 = per channel
+  const void* scales;
+  int64_t s_rs;
+  int s_dt;
+  int64_t N, K;
+  int wfast;    // aligned vector loads of weight rows are allowed (path-specific width)
+  int uniform;  // every vector chunk of k values lies in one scale group (path-specific)
+};
+
+// Scale of (n, k), k < K.
+__device__ __forceinline__ float scale_at(const QuantParams& p, int64_t n, int64_t k) {
+  const int64_t g = p.gs > 0 ? div_nn(k, p.gs) : 0;
+  return load_f32(p.scales, p.s_dt, n * p.s_rs + g);
+}
+
+// Quantised value (n, k) as float (n < N, k < K).
+__device__ __forceinline__ float q_at(const QuantParams& p, int64_t n, int64_t k) {
+  const uint8_t* row = p.q + n * p.q_rs;
+  if (p.bits == 8) return static_cast<float>(static_cast<int8_t>(row[k]));
+  const unsigned byte = row[k >> 1];
+  const int nib = static_cast<int>((k & 1) ? (byte >> 4) : (byte & 0xFu));
+  return static_cast<float>((nib ^ 8) - 8);
+}
+
+// ---- tensor-core B loader: 128 n x 32 k tile, dequantised into smem [n][k] ---------------
+// Thread tid covers n = tid / 2, k = (tid % 2) * 16 .. + 15: one 16-byte (int8) or 8-byte
+// (int4) load in begin(), conversion and the shared stores in end().
+template <typename T>
+struct TcDequantLoader {
+  using Params = QuantParams;
+  static constexpr int OUTER = tc::BN, INNER = tc::BK;
+  static constexpr int LD = INNER + tc::PAD;
+  static constexpr int STAGE_ELEMS = OUTER * LD;
+  static_assert(OUTER * INNER == tc::THREADS * 16, "16 values per thread");
+
+  int64_t n0;
+  uint4 raw;
+  float s;
+
+  __device__ __forceinline__ explicit TcDequantLoader(int64_t n0_) : n0(n0_) {}
+
+  __device__ __forceinline__ void begin(const Params& p, T*, int64_t k0) {
+    const int64_t n = n0 + threadIdx.x / 2;
+    const int64_t kb = k0 + (threadIdx.x & 1) * 16;
+    raw = make_uint4(0u, 0u, 0u, 0u);
+    s = 0.f;
+    if (n < p.N && kb < p.K) {
+      const uint8_t* row = p.q + n * p.q_rs;
+      const bool full = kb + 16 <= p.K;
+      if (p.bits == 8) {
+        if (p.wfast && full) {
+          raw = __ldg(reinterpret_cast<const uint4*>(row + kb));
+        } else {
+          uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+          for (int b = 0; b < 16; ++b)
+            if (kb + b < p.K) w[b / 4] |= static_cast<uint32_t>(row[kb + b]) << (8 * (b % 4));
+          raw = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      } else {
+        const uint8_t* src = row + kb / 2;
+        if (p.wfast && full) {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
+          raw.x = v.x;
+          raw.y = v.y;
+        } else {
+          uint32_t w[2] = {0u, 0u};
+#pragma unroll
+          for (int b = 0; b < 8; ++b)
+            if (kb + 2 * b < p.K) w[b / 4] |= static_cast<uint32_t>(src[b]) << (8 * (b % 4));
+          raw.x = w[0];
+          raw.y = w[1];
+        }
+      }
+      if (p.uniform) s = scale_at(p, n, kb);
+    }
+  }
+
+  __device__ __forceinline__ void end(const Params& p, T* slot, int64_t k0) {
+    const int nl = threadIdx.x / 2, kl = (threadIdx.x & 1) * 16;
+    const int64_t n = n0 + nl;
+    float v[16];
+    if (p.bits == 8) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = s8_to_f32(word_of(raw, i / 4), i % 4);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = s4_to_f32(word_of(raw, i / 8), i % 8);
+    }
+    if (p.uniform) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] *= s;
+    } else {
+      // Group boundaries inside the 16 values: per-element scale (slow path, any group size).
+      const int64_t k = k0 + kl;
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        v[i] *= (n < p.N && k + i < p.K) ? scale_at(p, n, k + i) : 0.f;
+    }
+    uint4 lo, hi;
+    lo.x = pack2<T>(v[0], v[1]);
+    lo.y = pack2<T>(v[2], v[3]);
+    lo.z = pack2<T>(v[4], v[5]);
+    lo.w = pack2<T>(v[6], v[7]);
+    hi.x = pack2<T>(v[8], v[9]);
+    hi.y = pack2<T>(v[10], v[11]);
+    hi.z = pack2<T>(v[12], v[13]);
+    hi.w = pack2<T>(v[14], v[15]);
+    uint4* dst = reinterpret_cast<uint4*>(slot + nl * LD + kl);
+    dst[0] = lo;
+    dst[1] = hi;
+  }
+};
+
+// ---- SIMT B loader: 16 k x 64 n tile, dequantised into Bs[k][n] (f32 activations) --------
+struct SimtDequantLoader {
+  using Params = QuantParams;
+  QuantParams p;
+  int64_t n0;
+  float regs[4];
+  __device__ __forceinline__ SimtDequantLoader(const Params& p_, int64_t n0_) : p(p_), n0(n0_) {}
+  __device__ __forceinline__ void load(int64_t k0) {
+    const int64_t n = n0 + threadIdx.x / 4;
+    const int64_t k = k0 + (threadIdx.x % 4) * 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      regs[i] = (n < p.N && k + i < p.K) ? q_at(p, n, k + i) * scale_at(p, n, k + i) : 0.f;
+  }
+  __device__ __forceinline__ void store(float* Bs) const {
+    const int nl = threadIdx.x / 4, kl = (threadIdx.x % 4) * 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) Bs[(kl + i) * simt::LDS + nl] = regs[i];
+  }
+};
+
+// ---- GEMV (M <= 16) -------------------------------------------------------------------
+// Block = 256 threads = 8 warps; each warp owns 4 output channels (weight rows), 8 lanes per
+// row; a block covers 32 rows. K is walked in chunks of KC: every lane loads PPL 16-byte
+// pieces of its row (V = 16 int8 or 32 int4 values each, pieces j, j+8, ...: 8 lanes read
+// 128 contiguous bytes), the block stages x[:, chunk] as fp32 in shared memory, then each
+// lane dequantises in registers and FMAs against the M rows of x. A per-piece partial sum
+// is scaled once when the piece lies in one scale group. 8-lane shuffle reduction at the end.
+constexpr int GEMV_THREADS = 256, GEMV_LPR = 8, GEMV_ROWS = 32;
+
+template <int BITS, int MAXM>
+struct GemvCfg {
+  static constexpr int V = BITS == 4 ? 32 : 16;             // values per 16-byte piece
+  static constexpr int PPL = MAXM <= 2 ? 8 : (MAXM <= 4 ? 4 : 2);  // pieces per lane per chunk
+  static constexpr int KC = PPL * GEMV_LPR * V;             // k values per chunk
+  static constexpr int XP = KC + (KC / V) * 4;  // padded pitch: piece p starts at p*(V+4)
+};
+
+struct GemvParams {
+  const void* x;
+  int64_t x_rs, x_cs;
+  int x_dt;
+  QuantParams w;
+  const void* bias;
+  int64_t bias_stride;
+  void* y;
+  int64_t y_rs, y_cs;
+  int M;
+  int act;
+};
+
+template <int BITS, int MAXM>
+__global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(GemvParams p) {
+  using Cfg = GemvCfg<BITS, MAXM>;
+  constexpr int V = Cfg::V, PPL = Cfg::PPL, KC = Cfg::KC, XP = Cfg::XP;
+  extern __shared__ __align__(16) float xs[];  // [M][XP]
+
+  const QuantParams& qp = p.w;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / GEMV_LPR, j = lane % GEMV_LPR;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * GEMV_ROWS + warp * 4 + r;
+  const bool n_ok = n < qp.N;
+  const int M = p.M;
+  const int64_t K = qp.K;
+  const uint8_t* row = qp.q + (n_ok ? n : 0) * qp.q_rs;
+  const float row_scale =
+      (n_ok && qp.gs == 0) ? load_f32(qp.scales, qp.s_dt, n * qp.s_rs) : 0.f;
+
+  float acc[MAXM];
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) acc[m] = 0.f;
+
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    // Weight pieces of this chunk (issued before the x staging to overlap latencies).
+    uint4 wr[PPL];
+#pragma unroll
+    for (int t = 0; t < PPL; ++t) {
+      const int64_t kb = k0 + (j + t * GEMV_LPR) * V;
+      wr[t] = make_uint4(0u, 0u, 0u, 0u);
+      if (n_ok && kb < K) {
+        const uint8_t* src = row + (BITS == 8 ? kb : kb / 2);
+        if (qp.wfast && kb + V <= K) {
+          wr[t] = __ldg(reinterpret_cast<const uint4*>(src));
+        } else {
+          uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+          for (int b = 0; b < 16; ++b) {
+            const bool ok = BITS == 8 ? kb + b < K : kb + 2 * b < K;
+            if (ok) w[b / 4] |= static_cast<uint32_t>(src[b]) << (8 * (b % 4));
+          }
+          wr[t] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+    }
+
+    __syncthreads();  // the previous chunk's x is no longer read
+    for (int e = threadIdx.x; e < M * KC; e += GEMV_THREADS) {
+      const int m = e / KC, kk = e % KC;
+      const int64_t gk = k0 + kk;
+      xs[m * XP + kk + (kk / V) * 4] =
+          gk < K ? load_f32(p.x, p.x_dt, m * p.x_rs + gk * p.x_cs) : 0.f;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int t = 0; t < PPL; ++t) {
+      const int piece = j + t * GEMV_LPR;
+      const int64_t kb = k0 + piece * V;
+      if (!(n_ok && kb < K)) continue;
+      float s = 1.f;
+      if (qp.uniform)
+        s = qp.gs == 0 ? row_scale
+                       : load_f32(qp.scales, qp.s_dt, n * qp.s_rs + div_nn(kb, qp.gs));
+      float part[MAXM];
+#pragma unroll
+      for (int m = 0; m < MAXM; ++m) part[m] = 0.f;
+      const float* xp = xs + piece * (V + 4);
+#pragma unroll
+      for (int i = 0; i < V; i += 4) {
+        float q[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          q[u] = BITS == 8 ? s8_to_f32(word_of(wr[t], (i + u) / 4), (i + u) % 4)
+                           : s4_to_f32(word_of(wr[t], (i + u) / 8), (i + u) % 8);
+        if (!qp.uniform) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+            q[u] *= (kb + i + u < K) ? scale_at(qp, n, kb + i + u) : 0.f;
+        }
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+          if (m < M) {
+            const float4 xv = *reinterpret_cast<const float4*>(xp + m * XP + i);
+            part[m] = fmaf(q[0], xv.x, part[m]);
+            part[m] = fmaf(q[1], xv.y, part[m]);
+            part[m] = fmaf(q[2], xv.z, part[m]);
+            part[m] = fmaf(q[3], xv.w, part[m]);
+          }
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < MAXM; ++m) acc[m] = fmaf(s, part[m], acc[m]);
+    }
+  }
+
+  const float bv = (n_ok && p.bias) ? load_f32(p.bias, p.x_dt, n * p.bias_stride) : 0.f;
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) {
+    float v = acc[m];
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    if (j == 0 && n_ok && m < M)
+      store_f32(p.y, p.x_dt, m * p.y_rs + n * p.y_cs, apply_act(v + bv, p.act));
+  }
+}
+
+template <int BITS, int MAXM>
+Status launch_gemv(GemvParams p, cudaStream_t stream) {
+  using Cfg = GemvCfg<BITS, MAXM>;
+  p.w.uniform = p.w.gs == 0 || p.w.gs % Cfg::V == 0;
+  p.w.wfast = aligned_to(p.w.q, 16) && p.w.q_rs % 16 == 0;
+  const size_t smem = static_cast<size_t>(p.M) * Cfg::XP * sizeof(float);
+  const int64_t blocks = ceil_div(p.w.N, GEMV_ROWS);
+  if (blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
+  gemv_kernel<BITS, MAXM><<<static_cast<unsigned>(blocks), GEMV_THREADS, smem, stream>>>(p);
+  return launch_status();
+}
+
+template <int BITS>
+Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
+  if (p.M <= 1) return launch_gemv<BITS, 1>(p, stream);
+  if (p.M <= 2) return launch_gemv<BITS, 2>(p, stream);
+  if (p.M <= 4) return launch_gemv<BITS, 4>(p, stream);
+  if (p.M <= 8) return launch_gemv<BITS, 8>(p, stream);
+  return launch_gemv<BITS, 16>(p, stream);
+}
+
+constexpr int64_t GEMV_MAX_M = 16;
+
+}  // namespace detail
+
+namespace {
+using namespace detail;
+
+template <typename T>
+Status mixed_tc(const MixedLinearArgs& args, QuantParams qp, const Epilogue& ep,
+                cudaStream_t stream) {
+  const ConstMatrix& x = args.x;
+  typename TcALoader<T>::Params ap;
+  ap.data = static_cast<const T*>(x.data);
+  ap.so = x.row_stride;
+  ap.si = x.col_stride;
+  ap.olim = ep.M;
+  ap.ilim = ep.K;
+  ap.fast = x.col_stride == 1 && x.row_stride % 8 == 0 && aligned_to(x.data, 16);
+  ap.inner_fast = x.col_stride <= x.row_stride;
+  qp.uniform = qp.gs == 0 || qp.gs % 16 == 0;  // 16-value chunks start at multiples of 16
+  qp.wfast = qp.bits == 8 ? (aligned_to(qp.q, 16) && qp.q_rs % 16 == 0)
+                          : (aligned_to(qp.q, 8) && qp.q_rs % 8 == 0);
+  return launch_tc_gemm<T, true, TcDequantLoader<T>>(ap, qp, ep, stream);
+}
+
+}  // namespace
+
+Status mixed_linear(const MixedLinearArgs& args, void* stream_ptr) {
+  const Status v = validate_mixed_linear(args);
+  if (!v.ok()) return v;
+  const int64_t M = args.x.rows, K = args.x.cols, N = args.w.n;
+  if (M <= 0 || N <= 0) return Status{};  // nothing to write
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+
+  QuantParams qp;
+  qp.q = static_cast<const uint8_t*>(args.w.data);
+  qp.q_rs = args.w.row_stride;
+  qp.bits = args.w.bits;
+  qp.gs = args.w.group_size;
+  qp.scales = args.w.scales;
+  qp.s_rs = args.w.scales_row_stride;
+  qp.s_dt = static_cast<int>(args.w.scales_dtype);
+  qp.N = N;
+  qp.K = K;
+  qp.wfast = 0;
+  qp.uniform = 0;
+  if (qp.bits != 8 && qp.bits != 4)
+    return Status{static_cast<int32_t>(cudaErrorInvalidValue),
+                  "portable_gemm.cuda.mixed_linear: bits must be 4 or 8"};
+
+  if (M <= GEMV_MAX_M) {
+    GemvParams p;
+    p.x = args.x.data;
+    p.x_rs = args.x.row_stride;
+    p.x_cs = args.x.col_stride;
+    p.x_dt = static_cast<int>(args.x.dtype);
+    p.w = qp;
+    p.bias = args.bias;
+    p.bias_stride = args.bias_stride;
+    p.y = args.y.data;
+    p.y_rs = args.y.row_stride;
+    p.y_cs = args.y.col_stride;
+    p.M = static_cast<int>(M);
+    p.act = static_cast<int>(args.activation);
+    return qp.bits == 8 ? gemv_dispatch<8>(p, stream) : gemv_dispatch<4>(p, stream);
+  }
+
+  Epilogue ep;
+  ep.c = args.y.data;
+  ep.c_rs = args.y.row_stride;
+  ep.c_cs = args.y.col_stride;
+  ep.bias = args.bias;
+  ep.bias_stride = args.bias_stride;
+  ep.M = M;
+  ep.N = N;
+  ep.K = K;
+  ep.act = static_cast<int>(args.activation);
+  switch (args.x.dtype) {
+    case DType::f16:
+      return mixed_tc<__half>(args, qp, ep, stream);
+    case DType::bf16:
+      return mixed_tc<__nv_bfloat16>(args, qp, ep, stream);
+    case DType::f32: {
+      SimtStrided a{static_cast<const float*>(args.x.data), args.x.row_stride,
+                    args.x.col_stride, M, K};
+      return launch_simt_gemm<SimtDequantLoader>(a, qp, ep, stream);
+    }
+    default:
+      return Status{static_cast<int32_t>(cudaErrorInvalidValue),
+                    "portable_gemm.cuda.mixed_linear: x dtype must be f32, f16 or bf16"};
+  }
+}
+
+}  // namespace cuda
+}  // namespace portable_gemm

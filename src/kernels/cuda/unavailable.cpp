@@ -1,0 +1,22 @@
+// The cuda:: half of the API for a library built without CUDA. The symbols exist anyway
+// so that every binding links against one and the same ABI, and a CUDA call made by
+// mistake gets a readable error instead of a missing-symbol failure at load time.
+#include "portable_gemm/kernels.h"
+
+namespace portable_gemm {
+namespace cuda {
+
+namespace {
+constexpr const char* kNoCuda = "portable_gemm was built without CUDA kernels";
+Status unavailable() { return Status{1, kNoCuda}; }
+}  // namespace
+
+Status gemm(const GemmArgs&, void*) { return unavailable(); }
+Status mixed_linear(const MixedLinearArgs&, void*) { return unavailable(); }
+Status quantize(const QuantizeArgs&, void*) { return unavailable(); }
+const char* error_string(int32_t) {
+  return "no CUDA runtime: portable_gemm was built without CUDA kernels";
+}
+
+}  // namespace cuda
+}  // namespace portable_gemm
