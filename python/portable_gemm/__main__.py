@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     p_demo = sub.add_parser("demo", help="print info, run every op against a float64 reference")
     p_demo.add_argument("--device", action="append", choices=["cpu", "cuda"],
                         help="devices to run on (default: cpu, plus cuda when available)")
+    p_vendor = sub.add_parser("vendor", help="copy this package into DIR, registering its ops under torch.ops.NS")
+    p_vendor.add_argument("--into", required=True, help="destination package folder (its name is the import name)")
+    p_vendor.add_argument("--namespace", required=True, help="torch.ops namespace of the copy")
+    p_vendor.add_argument("--force", action="store_true", help="replace DIR if it exists")
     args = parser.parse_args(argv)
 
     if args.cmake_dir:
@@ -86,6 +90,17 @@ def main(argv: list[str] | None = None) -> int:
 
         d = pg.info()
         print(json.dumps(d, indent=2) if args.json else format_info(d))
+        return 0
+    if args.cmd == "vendor":
+        from portable_gemm._vendor import vendor
+
+        try:
+            dest = vendor(args.into, args.namespace, force=args.force)
+        except (ValueError, FileExistsError, RuntimeError) as e:
+            print(f"vendor: {e}", file=sys.stderr)
+            return 2
+        print(f"vendored portable_gemm into {dest} (torch.ops.{args.namespace}); "
+              f"import it as {dest.name!r} from {dest.parent}")
         return 0
     if args.cmd == "demo":
         import torch

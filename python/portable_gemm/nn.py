@@ -1,0 +1,56 @@
+"""Drop-in modules built on the ops."""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import mixed_linear, quantize_weight
+
+
+class QuantizedLinear(torch.nn.Module):
+    """nn.Linear with an int8 / int4 weight (symmetric, per channel or per group) and
+    activations in fp16 / bf16 / fp32. The quantised weight and scales are buffers, so the
+    state_dict round-trips and `.to(device)` moves them."""
+
+    def __init__(self, in_features: int, out_features: int, *, bits: int = 4,
+                 group_size: int | None = 128, bias: bool = True,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if group_size is not None and in_features % group_size:
+            raise ValueError(f"group_size {group_size} must divide in_features {in_features}")
+        if bits == 4 and in_features % 2:
+            raise ValueError(f"int4 packs two values per byte: in_features ({in_features}) must be even")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        packed = in_features if bits == 8 else in_features // 2
+        qdtype = torch.int8 if bits == 8 else torch.uint8
+        self.register_buffer("qweight", torch.zeros(out_features, packed, dtype=qdtype, device=device))
+        n_groups = in_features // group_size if group_size else None
+        shape = (out_features, n_groups) if n_groups else (out_features,)
+        self.register_buffer("scales", torch.zeros(shape, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, *, bits: int = 4, group_size: int | None = 128,
+                    dtype: torch.dtype | None = None) -> "QuantizedLinear":
+        dtype = dtype or linear.weight.dtype
+        m = cls(linear.in_features, linear.out_features, bits=bits, group_size=group_size,
+                bias=linear.bias is not None, dtype=dtype, device=linear.weight.device)
+        with torch.no_grad():
+            q, s = quantize_weight(linear.weight.detach().to(dtype), bits=bits, group_size=group_size)
+            m.qweight.copy_(q)
+            m.scales.copy_(s)
+            if linear.bias is not None:
+                m.bias.copy_(linear.bias.to(dtype))
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return mixed_linear(x, self.qweight, self.scales, bits=self.bits, group_size=self.group_size, bias=bias)
+
+    def extra_repr(self) -> str:
+        g = f"group_size={self.group_size}" if self.group_size else "per-channel"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, {g}, bias={self.bias is not None}")
