@@ -5,13 +5,20 @@
 #
 # Locates the torch whose headers every target is compiled against (the newest one
 # installed in the build environment; older targets are only a define) without importing
-# torch. Sets in the caller: TORCH_ROOT, TORCH_INCLUDE_DIR, TORCH_LIB_DIR, TORCH_BUILD_VERSION.
+# torch (or at PORTABLE_GEMM_TORCH_ROOT). Sets in the caller: TORCH_ROOT, TORCH_INCLUDE_DIR, TORCH_LIB_DIR, TORCH_BUILD_VERSION.
+# torch's headers and libraries are Python-independent: one torch can serve every Python.
+set(PORTABLE_GEMM_TORCH_ROOT "" CACHE PATH
+    "torch package folder to build against (default: the build interpreter's torch)")
+
 function(pg_find_torch)
-  find_package(Python REQUIRED COMPONENTS Interpreter)
-  execute_process(
-    COMMAND ${Python_EXECUTABLE} -c
-      "import importlib.util as u, os; s = u.find_spec('torch'); print(os.path.dirname(s.origin) if s else '')"
-    OUTPUT_VARIABLE root OUTPUT_STRIP_TRAILING_WHITESPACE COMMAND_ERROR_IS_FATAL ANY)
+  set(root ${PORTABLE_GEMM_TORCH_ROOT})
+  if(NOT root)
+    find_package(Python REQUIRED COMPONENTS Interpreter)
+    execute_process(
+      COMMAND ${Python_EXECUTABLE} -c
+        "import importlib.util as u, os; s = u.find_spec('torch'); print(os.path.dirname(s.origin) if s else '')"
+      OUTPUT_VARIABLE root OUTPUT_STRIP_TRAILING_WHITESPACE COMMAND_ERROR_IS_FATAL ANY)
+  endif()
   if(NOT root)
     message(FATAL_ERROR "portable_gemm: torch is not installed for ${Python_EXECUTABLE}. "
       "Install the torch whose headers to build against (e.g. pip install torch==2.13.0) "

@@ -3,6 +3,7 @@ itself, and computes correctly (in its own interpreter, since the choice is made
 Also the loader's refusals: a target newer than torch, an unknown target, torch < 2.9."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -55,7 +56,8 @@ def test_all_five_targets_built():
 def test_default_is_newest_eligible():
     rt = tuple(map(int, torch.__version__.split(".")[:2]))
     eligible = [t for t in BUILT if tuple(map(int, t.split("."))) <= rt]
-    assert pg.info()["target"] == eligible[-1]
+    # the suite may run under a forced target (the GPU session runs it under 2.11, 2.10, 2.9)
+    assert pg.info()["target"] == (os.environ.get("PORTABLE_GEMM_TARGET") or eligible[-1])
 
 
 @pytest.mark.slow

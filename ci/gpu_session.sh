@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The whole GPU session in one device call (see README "GPU verification"): install the
+# carried wheel with --no-deps into the machine's python (torch 2.11 cu130 there), then the
+# GPU test suite under the default target (2.11) and forced 2.10 and 2.9, compute-sanitizer
+# (memcheck, racecheck, initcheck) over tests/gpu/sanitize_ops.py, and optionally the GPU
+# benchmark. Logs go to $OUT (the device tool brings them back); a summary is printed last.
+#   usage: bash ci/gpu_session.sh WHEEL [tests|sanitize|bench|all]...
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+WHEEL=$1; shift
+STEPS=${*:-all}
+OUT=${OUT:-/tmp/pg_out}
+mkdir -p "$OUT"
+PY=${PG_GPU_PYTHON:-python3}
+summary=()
+note() { summary+=("$*"); echo "== $*"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+$PY -m pip install -q --no-deps --force-reinstall "$WHEEL" 2>&1 | tail -2
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+(cd /tmp && $PY -m portable_gemm info) | tee "$OUT/info.txt"
+
+want() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
+
+if want tests; then
+  for target in default 2.10 2.9; do
+    env=()
+    [ "$target" != default ] && env=(PORTABLE_GEMM_TARGET=$target)
+    log="$OUT/pytest_${target}.log"
+    # full suite under the machine's own target; the GPU-relevant files under forced targets
+    files=(.)
+    [ "$target" != default ] && files=(test_cuda.py test_gemm.py test_mixed_linear.py test_torch_integration.py test_bad_input.py)
+    (cd tests && env "${env[@]}" timeout 400 $PY -m pytest -q -p no:cacheprovider -x "${files[@]}" > "$log" 2>&1)
+    note "pytest target=$target: $(tail -1 "$log")"
+  done
+fi
+
+if want sanitize; then
+  for tool in memcheck racecheck initcheck; do
+    log="$OUT/sanitizer_${tool}.log"
+    (cd tests && timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $PY gpu/sanitize_ops.py > "$log" 2>&1)
+    rc=$?
+    note "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_ops:' "$log" | tr '\n' ' ')"
+  done
+fi
+
+if want bench; then
+  (cd /tmp && timeout 500 $PY "$OLDPWD/bench/gpu_bench.py" --out "$OUT" > "$OUT/bench.log" 2>&1)
+  note "gpu bench: exit $?; table in bench.log"
+  tail -60 "$OUT/bench.log"
+fi
+
+echo; echo "==== summary"; printf '%s\n' "${summary[@]}"

@@ -1,0 +1,30 @@
+"""Every CUDA op once, at small odd and aligned shapes, every dtype and scheme: the workload
+compute-sanitizer (memcheck / racecheck / initcheck) runs over in ci/gpu_session.sh."""
+
+import torch
+
+import portable_gemm as pg
+
+torch.manual_seed(0)
+dev = "cuda"
+n_calls = 0
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for m, k, n in ((1, 1, 1), (7, 13, 5), (33, 65, 17), (128, 256, 64)):
+        a = torch.randn(m, k, device=dev).to(dtype)
+        b = torch.randn(k, n, device=dev).to(dtype)
+        bias = torch.randn(n, device=dev).to(dtype)
+        pg.gemm(a, b, bias=bias, activation="gelu")
+        pg.gemm(a.T.contiguous().T, b.T.contiguous().T)
+        n_calls += 2
+for bits, group in ((8, None), (8, 32), (4, None), (4, 128)):
+    for m in (1, 5, 16, 40):
+        w = torch.randn(72, 256, device=dev, dtype=torch.bfloat16)
+        q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+        for xdtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(m, 256, device=dev).to(xdtype)
+            pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=torch.randn(72, device=dev).to(xdtype),
+                            activation="silu")
+            n_calls += 1
+        n_calls += 1
+torch.cuda.synchronize()
+print(f"sanitize_ops: {n_calls} op calls completed on {torch.cuda.get_device_name()}")

@@ -1,0 +1,56 @@
+"""Repository and artefact checks: the README's matrix is generated, no machine paths leak
+into tracked files, and the built wheel's tags match what is inside it."""
+
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from conftest import REPO
+
+
+def test_readme_matrix_is_generated():
+    proc = subprocess.run([sys.executable, str(REPO / "ci" / "readme_matrix.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_no_machine_paths_in_tracked_files():
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    bad = []
+    for f in files:
+        p = REPO / f
+        if p.suffix in {".json", ".png"} or not p.is_file():
+            continue
+        text = p.read_text(errors="replace")
+        for pat in ("/work/main", "/root/", "/tmp/dev"):
+            if pat in text:
+                bad.append(f"{f}: {pat}")
+    assert not bad, bad
+
+
+def wheels():
+    return sorted((REPO / "dist").glob("portable_gemm-*.whl"))
+
+
+@pytest.mark.skipif(not wheels(), reason="no wheel in dist/ (ci/dev.sh wheel builds one)")
+def test_wheel_tags_match_contents():
+    for whl in wheels():
+        with zipfile.ZipFile(whl) as z:
+            names = z.namelist()
+            wheel_meta = z.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
+        tags = re.findall(r"^Tag: (.+)$", wheel_meta, re.M)
+        assert len(tags) == 1, tags
+        py, abi, plat = tags[0].split("-")
+        ext = [n for n in names if re.match(r"portable_gemm/_dlpack\..*so$", n)]
+        assert len(ext) == 1, ext
+        if ".abi3." in ext[0]:
+            assert (py, abi) == ("cp312", "abi3"), tags
+        else:
+            m = re.search(r"cpython-(\d)(\d+)-", ext[0])
+            assert (py, abi) == (f"cp{m[1]}{m[2]}", f"cp{m[1]}{m[2]}"), (tags, ext)
+        assert plat.endswith("x86_64") or plat.endswith("aarch64"), plat
+        bindings = [n for n in names if re.match(r"portable_gemm/lib/portable_gemm_cpu_t\d+_\d+\.so$", n)]
+        assert len(bindings) == 5, bindings
+        assert "portable_gemm/lib/manifest.json" in names
