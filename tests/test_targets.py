@@ -84,7 +84,7 @@ def test_forced_target_computes(target):
     ("banana", r"is not a version like"),
 ])
 def test_forced_refused_cleanly(forced, message):
-    proc = run_python("import portable_gemm", env={"PORTABLE_GEMM_TARGET": forced})
+    proc = run_python("import torch\nimport portable_gemm", env={"PORTABLE_GEMM_TARGET": forced})
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])  # an exception, not a signal
     assert "ImportError" in proc.stderr
     assert message.replace("\\", "") in proc.stderr or __import__("re").search(message, proc.stderr)
