@@ -97,7 +97,8 @@ __device__ __forceinline__ float apply_act(float v, int act) {
 
 // a / b for non-negative a, b: 32-bit division when both fit (the common case).
 __device__ __forceinline__ int64_t div_nn(int64_t a, int64_t b) {
-  if (((a | b) >> 31) == 0) return static_cast<int64_t>(static_cast<uint32_t>(a) / static_cast<uint32_t>(b));
+  if (((a | b) >> 31) == 0)
+    return static_cast<int64_t>(static_cast<uint32_t>(a) / static_cast<uint32_t>(b));
   return a / b;
 }
 

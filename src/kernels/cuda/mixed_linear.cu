@@ -151,19 +151,38 @@ struct SimtDequantLoader {
 };
 
 // ---- GEMV (M <= 16) -------------------------------------------------------------------
-// Block = 256 threads = 8 warps; each warp owns 4 output channels (weight rows), 8 lanes per
-// row; a block covers 32 rows. K is walked in chunks of KC: every lane loads PPL 16-byte
-// pieces of its row (V = 16 int8 or 32 int4 values each, pieces j, j+8, ...: 8 lanes read
-// 128 contiguous bytes), the block stages x[:, chunk] as fp32 in shared memory, then each
+// Block = 256 threads = 8 warps; LPR = 8 lanes per output channel (weight row), 4 rows per
+// warp, 32 rows per block. K is walked in chunks of KC: every lane loads PPL
+// 16-byte pieces of its row (V = 16 int8 or 32 int4 values each, pieces j, j+LPR, ...: the
+// row's lanes read contiguous bytes), the block stages x[:, chunk] as fp32 in shared memory,
+// then each
 // lane dequantises in registers and FMAs against the M rows of x. A per-piece partial sum
-// is scaled once when the piece lies in one scale group. 8-lane shuffle reduction at the end.
-constexpr int GEMV_THREADS = 256, GEMV_LPR = 8, GEMV_ROWS = 32;
+// is scaled once (every piece must lie in one scale group: group_size % V == 0 or per
+// channel; other group sizes go to gemv_generic_kernel). 8-lane shuffle reduction at the end.
+constexpr int GEMV_THREADS = 256;
+
+// Byte-wise load of one 16-byte piece (unaligned rows or the K tail), zero past K.
+// Out of line: it is the rare path and would otherwise be unrolled into every variant.
+__device__ __noinline__ uint4 load_piece_bytewise(const uint8_t* src, int64_t kb, int64_t K,
+                                                  int bits) {
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int b = 0; b < 16; ++b) {
+    const bool ok = bits == 8 ? kb + b < K : kb + 2 * b < K;
+    if (ok) w[b / 4] |= static_cast<uint32_t>(src[b]) << (8 * (b % 4));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 template <int BITS, int MAXM>
 struct GemvCfg {
-  static constexpr int V = BITS == 4 ? 32 : 16;             // values per 16-byte piece
-  static constexpr int PPL = MAXM <= 2 ? 8 : (MAXM <= 4 ? 4 : 2);  // pieces per lane per chunk
-  static constexpr int KC = PPL * GEMV_LPR * V;             // k values per chunk
+  static constexpr int V = BITS == 4 ? 32 : 16;  // values per 16-byte piece
+  // Lanes per weight row (must divide 32). 8 measured better than 32 on H200 at M <= 4.
+  static constexpr int LPR = 8;
+  static constexpr int ROWS = (GEMV_THREADS / 32) * (32 / LPR);  // rows per block
+  // Pieces per lane per chunk (keeps the staged x chunk <= ~36 KiB).
+  static constexpr int PPL = MAXM <= 2 ? 8 : (MAXM <= 4 ? 4 : 2);
+  static constexpr int KC = PPL * LPR * V;      // k values per chunk
   static constexpr int XP = KC + (KC / V) * 4;  // padded pitch: piece p starts at p*(V+4)
 };
 
@@ -183,13 +202,13 @@ struct GemvParams {
 template <int BITS, int MAXM>
 __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(GemvParams p) {
   using Cfg = GemvCfg<BITS, MAXM>;
-  constexpr int V = Cfg::V, PPL = Cfg::PPL, KC = Cfg::KC, XP = Cfg::XP;
+  constexpr int V = Cfg::V, PPL = Cfg::PPL, KC = Cfg::KC, XP = Cfg::XP, LPR = Cfg::LPR;
   extern __shared__ __align__(16) float xs[];  // [M][XP]
 
   const QuantParams& qp = p.w;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = lane / GEMV_LPR, j = lane % GEMV_LPR;
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * GEMV_ROWS + warp * 4 + r;
+  const int r = lane / LPR, j = lane % LPR;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * Cfg::ROWS + warp * (32 / LPR) + r;
   const bool n_ok = n < qp.N;
   const int M = p.M;
   const int64_t K = qp.K;
@@ -203,24 +222,19 @@ __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(GemvParams p) {
 
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     // Weight pieces of this chunk (issued before the x staging to overlap latencies).
+    // The group scales of the pieces are fetched here too, off the FMA path.
     uint4 wr[PPL];
+    float ws[PPL];
 #pragma unroll
     for (int t = 0; t < PPL; ++t) {
-      const int64_t kb = k0 + (j + t * GEMV_LPR) * V;
+      const int64_t kb = k0 + (j + t * LPR) * V;
       wr[t] = make_uint4(0u, 0u, 0u, 0u);
+      ws[t] = row_scale;
       if (n_ok && kb < K) {
+        if (qp.gs != 0) ws[t] = load_f32(qp.scales, qp.s_dt, n * qp.s_rs + div_nn(kb, qp.gs));
         const uint8_t* src = row + (BITS == 8 ? kb : kb / 2);
-        if (qp.wfast && kb + V <= K) {
-          wr[t] = __ldg(reinterpret_cast<const uint4*>(src));
-        } else {
-          uint32_t w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-          for (int b = 0; b < 16; ++b) {
-            const bool ok = BITS == 8 ? kb + b < K : kb + 2 * b < K;
-            if (ok) w[b / 4] |= static_cast<uint32_t>(src[b]) << (8 * (b % 4));
-          }
-          wr[t] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
+        wr[t] = (qp.wfast && kb + V <= K) ? __ldg(reinterpret_cast<const uint4*>(src))
+                                          : load_piece_bytewise(src, kb, K, BITS);
       }
     }
 
@@ -235,13 +249,11 @@ __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(GemvParams p) {
 
 #pragma unroll
     for (int t = 0; t < PPL; ++t) {
-      const int piece = j + t * GEMV_LPR;
+      const int piece = j + t * LPR;
       const int64_t kb = k0 + piece * V;
       if (!(n_ok && kb < K)) continue;
-      float s = 1.f;
-      if (qp.uniform)
-        s = qp.gs == 0 ? row_scale
-                       : load_f32(qp.scales, qp.s_dt, n * qp.s_rs + div_nn(kb, qp.gs));
+      // Every piece lies in one scale group (gemv_dispatch checks; else gemv_generic_kernel).
+      const float s = ws[t];
       float part[MAXM];
 #pragma unroll
       for (int m = 0; m < MAXM; ++m) part[m] = 0.f;
@@ -253,11 +265,6 @@ __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(GemvParams p) {
         for (int u = 0; u < 4; ++u)
           q[u] = BITS == 8 ? s8_to_f32(word_of(wr[t], (i + u) / 4), (i + u) % 4)
                            : s4_to_f32(word_of(wr[t], (i + u) / 8), (i + u) % 8);
-        if (!qp.uniform) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u)
-            q[u] *= (kb + i + u < K) ? scale_at(qp, n, kb + i + u) : 0.f;
-        }
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
           if (m < M) {
@@ -278,10 +285,38 @@ __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(GemvParams p) {
 #pragma unroll
   for (int m = 0; m < MAXM; ++m) {
     float v = acc[m];
-    v += __shfl_xor_sync(0xffffffffu, v, 4);
-    v += __shfl_xor_sync(0xffffffffu, v, 2);
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
+#pragma unroll
+    for (int off = LPR / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     if (j == 0 && n_ok && m < M)
+      store_f32(p.y, p.x_dt, m * p.y_rs + n * p.y_cs, apply_act(v + bv, p.act));
+  }
+}
+
+// Small-M fallback for group sizes that are not a multiple of the GEMV piece width (any
+// divisor of K): one warp per output channel, lanes stride over k, element-wise dequant,
+// x read straight from global memory. Simple and slow; rare group sizes only.
+constexpr int GEMV_GENERIC_MAXM = 16;
+__global__ void __launch_bounds__(GEMV_THREADS) gemv_generic_kernel(GemvParams p) {
+  const QuantParams& qp = p.w;
+  const int lane = threadIdx.x % 32;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * (GEMV_THREADS / 32) + threadIdx.x / 32;
+  if (n >= qp.N) return;  // whole warp leaves together
+  float acc[GEMV_GENERIC_MAXM];
+#pragma unroll
+  for (int m = 0; m < GEMV_GENERIC_MAXM; ++m) acc[m] = 0.f;
+  for (int64_t k = lane; k < qp.K; k += 32) {
+    const float w = q_at(qp, n, k) * scale_at(qp, n, k);
+#pragma unroll
+    for (int m = 0; m < GEMV_GENERIC_MAXM; ++m)
+      if (m < p.M) acc[m] = fmaf(w, load_f32(p.x, p.x_dt, m * p.x_rs + k * p.x_cs), acc[m]);
+  }
+  const float bv = p.bias ? load_f32(p.bias, p.x_dt, n * p.bias_stride) : 0.f;
+#pragma unroll
+  for (int m = 0; m < GEMV_GENERIC_MAXM; ++m) {
+    float v = acc[m];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (lane == 0 && m < p.M)
       store_f32(p.y, p.x_dt, m * p.y_rs + n * p.y_cs, apply_act(v + bv, p.act));
   }
 }
@@ -289,10 +324,10 @@ __global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(GemvParams p) {
 template <int BITS, int MAXM>
 Status launch_gemv(GemvParams p, cudaStream_t stream) {
   using Cfg = GemvCfg<BITS, MAXM>;
-  p.w.uniform = p.w.gs == 0 || p.w.gs % Cfg::V == 0;
+  p.w.uniform = 1;
   p.w.wfast = aligned_to(p.w.q, 16) && p.w.q_rs % 16 == 0;
   const size_t smem = static_cast<size_t>(p.M) * Cfg::XP * sizeof(float);
-  const int64_t blocks = ceil_div(p.w.N, GEMV_ROWS);
+  const int64_t blocks = ceil_div(p.w.N, Cfg::ROWS);
   if (blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
   gemv_kernel<BITS, MAXM><<<static_cast<unsigned>(blocks), GEMV_THREADS, smem, stream>>>(p);
   return launch_status();
@@ -300,6 +335,13 @@ Status launch_gemv(GemvParams p, cudaStream_t stream) {
 
 template <int BITS>
 Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
+  constexpr int V = GemvCfg<BITS, 1>::V;
+  if (p.w.gs != 0 && p.w.gs % V != 0) {
+    const int64_t blocks = ceil_div(p.w.N, GEMV_THREADS / 32);
+    if (blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
+    gemv_generic_kernel<<<static_cast<unsigned>(blocks), GEMV_THREADS, 0, stream>>>(p);
+    return launch_status();
+  }
   if (p.M <= 1) return launch_gemv<BITS, 1>(p, stream);
   if (p.M <= 2) return launch_gemv<BITS, 2>(p, stream);
   if (p.M <= 4) return launch_gemv<BITS, 4>(p, stream);

@@ -1,5 +1,6 @@
-// Tensor-core (mma.sync m16n8k16 + ldmatrix, fp32 accumulate) tiled GEMM main loop for f16 / bf16, shared by
-// gemm.cu (strided B) and mixed_linear.cu (B dequantised from int8 / int4 on the fly).
+// Tensor-core (mma.sync m16n8k16 + ldmatrix, fp32 accumulate) tiled GEMM main loop for
+// f16 / bf16, shared by gemm.cu (strided B) and mixed_linear.cu (B dequantised from int8 /
+// int4 on the fly).
 //
 // Block tile 128 x 128 x 32, 256 threads = 8 warps as 2 (M) x 4 (N), warp tile 64 x 32
 // (4 x 4 m16n8k16 tiles), 3-stage shared-memory pipeline.
@@ -7,8 +8,9 @@
 //   B is staged as [k][n] (B_COL = false, ldmatrix.trans) or as [n][k] (B_COL = true,
 //   ldmatrix), so that either layout of B can be copied without a transpose.
 // A tile loader fills a pipeline slot in two steps: begin(p, slot, k0) issues the global
-// reads (cp.async straight into the slot, or plain loads + shared stores) and end(p, slot, k0)
-// finishes whatever begin left in registers (the dequantising loader converts there);
+// reads (cp.async straight into the slot, or plain loads + shared stores) and
+// end(p, slot, k0) finishes what begin left in registers (the dequantising loader converts
+// there);
 // end() runs after the MMAs of the current stage, which hides the global-load latency.
 #pragma once
 
