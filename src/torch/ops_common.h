@@ -132,6 +132,35 @@ inline std::vector<int64_t> leading_sizes(const Tensor& t) {
   return s;
 }
 
+// bias: optional [N] of the input's dtype, on the input's device.
+inline void check_bias(const std::optional<Tensor>& bias, const Tensor& input, int64_t N,
+                       const char* op, const char* input_name) {
+  if (!bias) return;
+  check_same_device(input, *bias, op, input_name, "bias");
+  STD_TORCH_CHECK(bias->scalar_type() == input.scalar_type(), op, ": bias has dtype ",
+                  dtype_name(bias->scalar_type()), " but ", input_name, " has ",
+                  dtype_name(input.scalar_type()));
+  STD_TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [N] = [", N, "]");
+}
+
+// The part gemm and mixed_linear share: bias + activation epilogue, and the [..., N]
+// output in the input's dtype, described to the kernel as `rows` x N.
+template <class Args>
+Tensor add_epilogue_and_output(Args& args, Matrix Args::*out_field, int64_t rows, const Tensor& input,
+                               int64_t N, const std::optional<Tensor>& bias, int64_t activation,
+                               const char* op) {
+  if (bias) {
+    args.bias = compat::const_data(*bias);
+    args.bias_stride = bias->stride(0);
+  }
+  args.activation = to_activation(activation, op);
+  auto sizes = leading_sizes(input);
+  sizes.push_back(N);
+  Tensor out = compat::new_output(input, sizes, input.scalar_type());
+  args.*out_field = as_output(out, rows, N);
+  return out;
+}
+
 template <class Backend>
 Tensor gemm(Tensor a, Tensor b, std::optional<Tensor> bias, int64_t activation) {
   constexpr const char* op = "portable_gemm.gemm";
@@ -145,28 +174,14 @@ Tensor gemm(Tensor a, Tensor b, std::optional<Tensor> bias, int64_t activation) 
   const int64_t K = a.size(a.dim() - 1), N = b.size(1);
   STD_TORCH_CHECK(b.size(0) == K, op, ": a has K = ", K, " columns but b has ", b.size(0),
                   " rows; b must be [K, N]");
-  if (bias) {
-    check_same_device(a, *bias, op, "a", "bias");
-    STD_TORCH_CHECK(bias->scalar_type() == a.scalar_type(), op, ": bias has dtype ",
-                    dtype_name(bias->scalar_type()), " but a has ", dtype_name(a.scalar_type()));
-    STD_TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [N] = [",
-                    N, "]");
-  }
+  check_bias(bias, a, N, op, "a");
   Backend::check_device(a, op);
 
   std::optional<Tensor> a_copy;
   GemmArgs args;
   args.a = rows_view(a, a_copy);
   args.b = ConstMatrix{compat::const_data(b), K, N, b.stride(0), b.stride(1), kernel_dtype(b.scalar_type())};
-  if (bias) {
-    args.bias = compat::const_data(*bias);
-    args.bias_stride = bias->stride(0);
-  }
-  args.activation = to_activation(activation, op);
-  auto sizes = leading_sizes(a);
-  sizes.push_back(N);
-  Tensor out = compat::new_output(a, sizes, a.scalar_type());
-  args.c = as_output(out, args.a.rows, N);
+  Tensor out = add_epilogue_and_output(args, &GemmArgs::c, args.a.rows, a, N, bias, activation, op);
   throw_if_error(validate_gemm(args), op);
   Backend::run(args, a, op);
   return out;
@@ -241,12 +256,7 @@ Tensor mixed_linear(Tensor x, Tensor qweight, Tensor scales, int64_t bits, int64
                   " for group_size=", group_size);
   check_same_device(x, qweight, op, "x", "qweight");
   check_same_device(x, scales, op, "x", "scales");
-  if (bias) {
-    check_same_device(x, *bias, op, "x", "bias");
-    STD_TORCH_CHECK(bias->scalar_type() == x.scalar_type(), op, ": bias has dtype ",
-                    dtype_name(bias->scalar_type()), " but x has ", dtype_name(x.scalar_type()));
-    STD_TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [N] = [", N, "]");
-  }
+  check_bias(bias, x, N, op, "x");
   Backend::check_device(x, op);
 
   // The weight kernels read rows of bytes and rows of scales: unit inner strides needed.
@@ -267,15 +277,7 @@ Tensor mixed_linear(Tensor x, Tensor qweight, Tensor scales, int64_t bits, int64
   args.w.scales = compat::const_data(s);
   args.w.scales_row_stride = s.stride(0);
   args.w.scales_dtype = kernel_dtype(s.scalar_type());
-  if (bias) {
-    args.bias = compat::const_data(*bias);
-    args.bias_stride = bias->stride(0);
-  }
-  args.activation = to_activation(activation, op);
-  auto sizes = leading_sizes(x);
-  sizes.push_back(N);
-  Tensor out = compat::new_output(x, sizes, x.scalar_type());
-  args.y = as_output(out, args.x.rows, N);
+  Tensor out = add_epilogue_and_output(args, &MixedLinearArgs::y, args.x.rows, x, N, bias, activation, op);
   throw_if_error(validate_mixed_linear(args), op);
   Backend::run(args, x, op);
   return out;
