@@ -24,7 +24,7 @@ def test_no_machine_paths_in_tracked_files():
         if p.suffix in {".json", ".png"} or not p.is_file():
             continue
         text = p.read_text(errors="replace")
-        for pat in ("/work/main", "/root/", "/tmp/dev"):
+        for pat in ("/wor" "k/", "/roo" "t/", "/tmp/" "dev"):  # split so this file does not match itself
             if pat in text:
                 bad.append(f"{f}: {pat}")
     assert not bad, bad
