@@ -3,6 +3,7 @@
 // reuses for large M. Nothing here is part of the library's ABI.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -103,10 +104,19 @@ inline void store_f32(void* base, int64_t index, DType t, float v) {
   }
 }
 
-inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : t == DType::i8 || t == DType::u8 ? 1 : 2; }
+inline size_t dtype_size(DType t) {
+  return t == DType::f32 ? 4 : (t == DType::i8 || t == DType::u8) ? 1 : 2;
+}
 
 // dst[i] = src[i * stride] as fp32, for n elements; vectorised where the ISA allows.
 void convert_to_f32(const void* src, int64_t stride, DType t, int64_t n, float* dst);
+
+// dst[k * ld + r] = row r element k as fp32, for k < kc and r < lanes (<= 16); rows r >=
+// nrows are written as 0. rows[r] points at element 0 of a contiguous row of dtype t.
+// This is the transposing copy every packing routine needs (rows of a row-major operand
+// become the lanes of a sliver); on AVX-512 it runs as in-register 16 x 16 transposes.
+void pack_rows_transposed(const void* const* rows, int nrows, DType t, int64_t kc, float* dst,
+                          int64_t ld, int lanes);
 
 // ---- activation ----------------------------------------------------------------------
 
@@ -131,6 +141,14 @@ struct Epilogue {
              int64_t n) const;
 };
 
+// How many threads the executor offers (at least 1; 1 when it cannot run anything in
+// parallel).
+inline int64_t executor_threads(const Executor& exec) {
+  if (exec.parallel_for == nullptr || exec.num_threads == nullptr) return 1;
+  const int n = exec.num_threads(exec.self);
+  return n < 1 ? 1 : n;
+}
+
 // ---- run-time ISA --------------------------------------------------------------------
 
 enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
@@ -151,16 +169,28 @@ struct DenseProblem {
   ConstMatrix a;                  // m x k, any float dtype and strides
   PackB pack_b = nullptr;         // k x n
   const void* b_ctx = nullptr;
-  const float* b_direct = nullptr;  // optional: B as row-major fp32 (column stride 1),
-  int64_t b_direct_ld = 0;          // readable in place; its row stride
+  const ConstMatrix* b_matrix = nullptr;  // B itself when it is a dense matrix (gemm)
   const void* bias = nullptr;     // n elements of c's dtype, or null
   int64_t bias_stride = 1;
   Matrix c;                       // m x n
   Activation act = Activation::none;
 };
 
-// c = act(a @ B + bias); assumes validated arguments, m, n > 0.
-void dense_gemm(const DenseProblem& p, const Executor& exec);
+// c = act(a @ B + bias); assumes validated arguments, m, n > 0. Returns false when a
+// scratch buffer could not be allocated (c is then partly written).
+bool dense_gemm(const DenseProblem& p, const Executor& exec);
+
+// Executor bodies must not throw and the API never throws; the one exception the kernels
+// can meet is std::bad_alloc from a scratch buffer. Task bodies run through guarded(),
+// which turns it into a flag the entry point reports as a Status.
+template <class F>
+void guarded(std::atomic<bool>& failed, F&& f) noexcept {
+  try {
+    f();
+  } catch (...) {
+    failed.store(true, std::memory_order_relaxed);
+  }
+}
 
 // Reusable per-thread scratch (kernels are called often with similar sizes: avoid the
 // page faults of fresh large allocations on every call). Slot selects independent

@@ -12,6 +12,12 @@
 // rounding to the output dtype, arbitrary output strides) runs on it while it is hot.
 // Rows beyond M and columns beyond N are zero-padded in the packed panels, so a
 // micro-kernel only needs to know how many rows (1..MR) it computes.
+//
+// Micro-kernels (chosen once at run time, see active_isa()): AVX-512 12 x 32, AVX2+FMA
+// 6 x 16, portable 4 x 8 (4 x 16 on aarch64) written for auto-vectorisation. bf16 x bf16
+// on CPUs with AVX512-BF16 packs bf16 pairs instead of fp32 and uses vdpbf16ps (twice
+// the FLOPs per instruction). With M <= 8 none of this pays off (each B element feeds a
+// handful of FMAs): B is then streamed row by row instead of packed (stream_gemm).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -101,8 +107,82 @@ namespace {
 PG_TARGET_AVX2 void convert_f16_contig_avx2(const uint16_t* s, int64_t n, float* d) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+    _mm256_storeu_ps(
+        d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
   for (; i < n; ++i) d[i] = f16_to_f32(s[i]);
+}
+
+// 16 consecutive elements (lanes outside m read as 0, without touching memory).
+PG_TARGET_AVX512 inline __m512 load16_avx512(const void* p, DType t, __mmask16 m) {
+  switch (t) {
+    case DType::f16:
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    case DType::bf16:
+      return _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    default:
+      return _mm512_maskz_loadu_ps(m, p);
+  }
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
+
+PG_TARGET_AVX512 void convert_contig_avx512(const void* src, DType t, int64_t n, float* dst) {
+  const char* s = static_cast<const char*>(src);
+  const int64_t es = int64_t(dtype_size(t));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16_avx512(s + i * es, t, 0xFFFF));
+  if (i < n) {
+    const __mmask16 m = first_lanes(n - i);
+    _mm512_mask_storeu_ps(dst + i, m, load16_avx512(s + i * es, t, m));
+  }
+}
+
+// In-register 16 x 16 transpose: v[r][c] -> v[c][r].
+PG_TARGET_AVX512 inline void transpose16_avx512(__m512 v[16]) {
+  __m512 t[16], u[16];
+  PG_UNROLL for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  PG_UNROLL for (int i = 0; i < 4; ++i) {  // rows 4i .. 4i+3
+    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  PG_UNROLL for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_f32x4(u[c], u[c + 4], 0x88);
+    t[c + 4] = _mm512_shuffle_f32x4(u[c], u[c + 4], 0xDD);
+    t[c + 8] = _mm512_shuffle_f32x4(u[c + 8], u[c + 12], 0x88);
+    t[c + 12] = _mm512_shuffle_f32x4(u[c + 8], u[c + 12], 0xDD);
+  }
+  PG_UNROLL for (int c = 0; c < 8; ++c) {
+    v[c] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0x88);
+    v[c + 8] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0xDD);
+  }
+}
+
+PG_TARGET_AVX512 void pack_rows_transposed_avx512(const void* const* rows, int nrows, DType t,
+                                                  int64_t kc, float* dst, int64_t ld, int lanes) {
+  const int64_t es = int64_t(dtype_size(t));
+  const __mmask16 store_mask = first_lanes(lanes);
+  for (int64_t k0 = 0; k0 < kc; k0 += 16) {
+    const int64_t kk = std::min<int64_t>(16, kc - k0);
+    const __mmask16 m = first_lanes(kk);
+    __m512 v[16];
+    PG_UNROLL for (int r = 0; r < 16; ++r) {
+      v[r] = r < nrows ? load16_avx512(static_cast<const char*>(rows[r]) + k0 * es, t, m)
+                       : _mm512_setzero_ps();
+    }
+    transpose16_avx512(v);
+    float* d = dst + k0 * ld;
+    PG_UNROLL for (int i = 0; i < 16; ++i) {
+      if (i < kk) _mm512_mask_storeu_ps(d + i * ld, store_mask, v[i]);
+    }
+  }
 }
 #endif
 
@@ -122,6 +202,12 @@ void convert_to_f32(const void* src, int64_t stride, DType t, int64_t n, float* 
     case DType::bf16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
       if (stride == 1) {
+#if PG_X86
+        if (active_isa() == Isa::avx512) {
+          convert_contig_avx512(s, t, n, dst);
+          break;
+        }
+#endif
         for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_f32(uint32_t(s[i]) << 16);
       } else {
         for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i * stride]);
@@ -131,7 +217,11 @@ void convert_to_f32(const void* src, int64_t stride, DType t, int64_t n, float* 
     case DType::f16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
 #if PG_X86
-      if (stride == 1 && active_isa() != Isa::generic) {
+      if (stride == 1 && active_isa() == Isa::avx512) {
+        convert_contig_avx512(s, t, n, dst);
+        break;
+      }
+      if (stride == 1 && active_isa() == Isa::avx2) {
         convert_f16_contig_avx2(s, n, dst);
         break;
       }
@@ -146,8 +236,110 @@ void convert_to_f32(const void* src, int64_t stride, DType t, int64_t n, float* 
 
 // ---- epilogue ---------------------------------------------------------------------------
 
+namespace {
+
+#if PG_X86
+// exp with Cody-Waite range reduction and the Cephes degree-6 polynomial (about 1 ulp);
+// vscalefps applies 2^n and saturates to 0 / inf without special cases.
+PG_TARGET_AVX512 inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// gelu(x) = 0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2). erfc(z), z >= 0, is the
+// Chebyshev fit of Numerical Recipes (erfcc: relative error < 1.2e-7 for every z), so
+// the far negative tail stays relatively accurate too; 1 + erf(z) = 2 - erfc(z) on the
+// positive side.
+PG_TARGET_AVX512 inline __m512 gelu_avx512(__m512 x) {
+  const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.70710678118654752f));
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f),
+                                 _mm512_fmadd_ps(z, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.f)));
+  static const float c[] = {0.17087277f, -0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f,
+                            -0.18628806f, 0.09678418f, 0.37409196f, 1.00002368f, -1.26551223f};
+  __m512 poly = _mm512_set1_ps(c[0]);
+  PG_UNROLL for (int i = 1; i < 10; ++i) poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(c[i]));
+  const __m512 erfc_z = _mm512_mul_ps(t, exp_avx512(_mm512_fnmadd_ps(z, z, poly)));
+  const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 one_plus_erf =
+      _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(2.f), erfc_z), erfc_z);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), one_plus_erf);
+}
+
+PG_TARGET_AVX512 inline __m512 activate_avx512(__m512 v, Activation act) {
+  switch (act) {
+    case Activation::relu:
+      return _mm512_max_ps(v, _mm512_setzero_ps());
+    case Activation::silu:
+      return _mm512_div_ps(
+          v, _mm512_add_ps(_mm512_set1_ps(1.f), exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    case Activation::gelu:
+      return gelu_avx512(v);
+    default:
+      return v;
+  }
+}
+
+// Round to nearest even bf16, NaN kept quiet, as f32_to_bf16.
+PG_TARGET_AVX512 inline __m256i to_bf16_avx512(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounding = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, rounding), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  r = _mm512_mask_mov_epi32(r, nan, quiet_nan);
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// One output row with unit column stride: act(v + bias) rounded to t.
+PG_TARGET_AVX512 void store_row_avx512(const float* v, const float* bias, Activation act,
+                                       void* dst, DType t, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = first_lanes(n - j);
+    __m512 x = _mm512_maskz_loadu_ps(m, v + j);
+    if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));
+    x = activate_avx512(x, act);
+    switch (t) {
+      case DType::f16:
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + j, m,
+                                 _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        break;
+      case DType::bf16:
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + j, m, to_bf16_avx512(x));
+        break;
+      default:
+        _mm512_mask_storeu_ps(static_cast<float*>(dst) + j, m, x);
+        break;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
 void Epilogue::store(const float* tile, int64_t ldt, int64_t i0, int64_t m, int64_t j0,
                      int64_t n) const {
+#if PG_X86
+  if (c.col_stride == 1 && active_isa() == Isa::avx512) {
+    const int64_t es = int64_t(dtype_size(c.dtype));
+    char* base = static_cast<char*>(c.data);
+    for (int64_t i = 0; i < m; ++i)
+      store_row_avx512(tile + i * ldt, bias ? bias + j0 : nullptr, act,
+                       base + ((i0 + i) * c.row_stride + j0) * es, c.dtype, n);
+    return;
+  }
+#endif
   constexpr int64_t kChunk = 64;
   alignas(64) float tmp[kChunk];
   const int64_t cs = c.col_stride;
@@ -221,6 +413,9 @@ struct KernelSet {
   int mr, nr;
   int64_t kc, nc, mch;  // cache blocking (see the top of the file)
   MicroKernel kern[17];  // kern[m] for m = 1..mr
+  // bf16 pair kernels: panels hold bf16 pairs (k, k + 1) in 32-bit units instead of fp32,
+  // and a micro-kernel's kc counts pairs. Sliver offsets in 32-bit units are unchanged.
+  bool bf16_pairs = false;
 };
 
 #if defined(__aarch64__)
@@ -314,7 +509,80 @@ PG_TARGET_AVX512 void kern_avx512(int64_t kc, const float* a, const float* b, in
     _mm512_storeu_ps(out + i * ldout + 16, c1[i]);
   }
 }
+
+// bf16 x bf16 with AVX512-BF16: vdpbf16ps multiplies a pair of k per lane and adds both
+// products into fp32, twice the work of an fp32 FMA per instruction. A sliver holds
+// pairs (a[i][2p], a[i][2p+1]) as one 32-bit unit per row (broadcast to all lanes), a B
+// sliver pairs (b[2p][j], b[2p+1][j]) per column. Like every vdpbf16ps user (oneDNN
+// included) this flushes bf16 denormals to zero.
+#define PG_TARGET_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+
+template <int M>
+PG_TARGET_AVX512_BF16 void kern_avx512_bf16(int64_t kp, const float* a, const float* b,
+                                            int64_t ldb, const float* in, int64_t ldin,
+                                            float* out, int64_t ldout) {
+  __m512 c0[M], c1[M];
+  PG_UNROLL for (int i = 0; i < M; ++i) {
+    if (in) {
+      c0[i] = _mm512_loadu_ps(in + i * ldin);
+      c1[i] = _mm512_loadu_ps(in + i * ldin + 16);
+    } else {
+      c0[i] = _mm512_setzero_ps();
+      c1[i] = _mm512_setzero_ps();
+    }
+  }
+  const int32_t* ap = reinterpret_cast<const int32_t*>(a);
+  for (int64_t p = 0; p < kp; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 16);
+    PG_UNROLL for (int i = 0; i < M; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(ap[i]);
+      c0[i] = _mm512_dpbf16_ps(c0[i], ai, b0);
+      c1[i] = _mm512_dpbf16_ps(c1[i], ai, b1);
+    }
+    ap += kAvx512MR;
+    b += ldb;
+  }
+  PG_UNROLL for (int i = 0; i < M; ++i) {
+    _mm512_storeu_ps(out + i * ldout, c0[i]);
+    _mm512_storeu_ps(out + i * ldout + 16, c1[i]);
+  }
+}
+
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+}
 #endif
+
+// The pair kernels, or null when the CPU (or PORTABLE_GEMM_ISA) rules them out.
+const KernelSet* bf16_kernel_set() {
+  static const KernelSet* set = []() -> const KernelSet* {
+#if PG_X86
+    if (active_isa() != Isa::avx512 || !cpu_has_avx512_bf16()) return nullptr;
+    if (const char* env = std::getenv("PORTABLE_GEMM_ISA"))
+      if (std::strcmp(env, "avx512") == 0) return nullptr;  // the fp32-conversion path
+    static KernelSet s{};
+    s.mr = kAvx512MR;
+    s.nr = kAvx512NR;
+    s.kc = 768;  // in k: 384 pairs, the same bytes per sliver as the fp32 kernel
+    s.nc = 512;
+    s.mch = 480;
+    s.bf16_pairs = true;
+    s.kern[1] = kern_avx512_bf16<1>; s.kern[2] = kern_avx512_bf16<2>;
+    s.kern[3] = kern_avx512_bf16<3>; s.kern[4] = kern_avx512_bf16<4>;
+    s.kern[5] = kern_avx512_bf16<5>; s.kern[6] = kern_avx512_bf16<6>;
+    s.kern[7] = kern_avx512_bf16<7>; s.kern[8] = kern_avx512_bf16<8>;
+    s.kern[9] = kern_avx512_bf16<9>; s.kern[10] = kern_avx512_bf16<10>;
+    s.kern[11] = kern_avx512_bf16<11>; s.kern[12] = kern_avx512_bf16<12>;
+    return &s;
+#else
+    return nullptr;
+#endif
+  }();
+  return set;
+}
 
 const KernelSet& kernel_set() {
   static const KernelSet set = [] {
@@ -357,6 +625,8 @@ const KernelSet& kernel_set() {
 
 // ---- packing ---------------------------------------------------------------------------
 
+inline int64_t round_up_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 // A(i0 .. i0+mc, k0 .. k0+kc) -> slivers of kc x mr (row k of sliver s at
 // dst[(s * kc + k) * mr]), rows past mc zero.
 void pack_a(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int64_t kc, int mr,
@@ -364,25 +634,31 @@ void pack_a(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int64_t kc
   const int64_t es = int64_t(dtype_size(a.dtype));
   const char* base = static_cast<const char*>(a.data);
   const bool k_major = a.row_stride == 1 && a.col_stride != 1;  // e.g. a transposed view
-  float* row = scratch(5, size_t(std::max<int64_t>(kc, mr)));
+  float* tmp = a.col_stride == 1 || k_major ? nullptr : scratch(5, size_t(mr * kc));
   for (int64_t s = 0; s * mr < mc; ++s) {
     float* d = dst + s * kc * mr;
-    const int64_t rows = std::min<int64_t>(mr, mc - s * mr);
+    const int rows = int(std::min<int64_t>(mr, mc - s * mr));
     const int64_t r0 = i0 + s * mr;
     if (k_major) {
       for (int64_t k = 0; k < kc; ++k) {
         convert_to_f32(base + ((k0 + k) * a.col_stride + r0) * es, 1, a.dtype, rows, d + k * mr);
         for (int64_t i = rows; i < mr; ++i) d[k * mr + i] = 0.f;
       }
-    } else {
-      for (int64_t i = 0; i < rows; ++i) {
-        convert_to_f32(base + ((r0 + i) * a.row_stride + k0 * a.col_stride) * es, a.col_stride,
-                       a.dtype, kc, row);
-        for (int64_t k = 0; k < kc; ++k) d[k * mr + i] = row[k];
-      }
-      for (int64_t i = rows; i < mr; ++i)
-        for (int64_t k = 0; k < kc; ++k) d[k * mr + i] = 0.f;
+      continue;
     }
+    const void* rp[16];
+    DType t = a.dtype;
+    for (int i = 0; i < rows; ++i) {
+      const char* src = base + ((r0 + i) * a.row_stride + k0 * a.col_stride) * es;
+      if (tmp) {  // strided rows: gather into fp32 first
+        convert_to_f32(src, a.col_stride, a.dtype, kc, tmp + i * kc);
+        rp[i] = tmp + i * kc;
+      } else {
+        rp[i] = src;
+      }
+    }
+    if (tmp) t = DType::f32;
+    pack_rows_transposed(rp, rows, t, kc, d, mr, mr);
   }
 }
 
@@ -393,27 +669,156 @@ void pack_b_dense(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t n
   const int64_t es = int64_t(dtype_size(b.dtype));
   const char* base = static_cast<const char*>(b.data);
   const bool k_major = b.row_stride == 1 && b.col_stride != 1;  // e.g. nn.Linear weight^T
-  float* col = scratch(5, size_t(kc));
+  if (!k_major) {
+    // Row by row, so that B is read as long contiguous runs (hardware prefetch follows
+    // them); the scattered writes land in the packed panel, which is cache-resident.
+    const int64_t full = nc / nr * nr;
+    for (int64_t k = 0; k < kc; ++k) {
+      const char* src = base + ((k0 + k) * b.row_stride + n0 * b.col_stride) * es;
+      if (b.dtype == DType::f32 && b.col_stride == 1) {
+        const float* sf = reinterpret_cast<const float*>(src);
+        for (int64_t j = 0; j < full; j += nr)
+          std::memcpy(dst + (j * kc + k * nr), sf + j, size_t(nr) * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < full; j += nr)
+          convert_to_f32(src + j * b.col_stride * es, b.col_stride, b.dtype, nr,
+                         dst + (j * kc + k * nr));
+      }
+      if (full < nc) {
+        float* d = dst + full * kc + k * nr;
+        convert_to_f32(src + full * b.col_stride * es, b.col_stride, b.dtype, nc - full, d);
+        for (int64_t j = nc - full; j < nr; ++j) d[j] = 0.f;
+      }
+    }
+    return;
+  }
   for (int64_t s = 0; s * nr < nc; ++s) {
     float* d = dst + s * kc * nr;
     const int64_t cols = std::min<int64_t>(nr, nc - s * nr);
     const int64_t c0 = n0 + s * nr;
-    if (!k_major) {
-      for (int64_t k = 0; k < kc; ++k) {
-        convert_to_f32(base + ((k0 + k) * b.row_stride + c0 * b.col_stride) * es, b.col_stride,
-                       b.dtype, cols, d + k * nr);
-        for (int64_t j = cols; j < nr; ++j) d[k * nr + j] = 0.f;
-      }
-    } else {
-      for (int64_t j = 0; j < cols; ++j) {
-        convert_to_f32(base + (k0 + (c0 + j) * b.col_stride) * es, 1, b.dtype, kc, col);
-        for (int64_t k = 0; k < kc; ++k) d[k * nr + j] = col[k];
-      }
-      for (int64_t j = cols; j < nr; ++j)
-        for (int64_t k = 0; k < kc; ++k) d[k * nr + j] = 0.f;
+    for (int h = 0; h < nr; h += 16) {
+      const int lanes = std::min(16, nr - h);
+      const int n = int(std::max<int64_t>(0, std::min<int64_t>(lanes, cols - h)));
+      const void* rp[16];
+      for (int j = 0; j < n; ++j) rp[j] = base + (k0 + (c0 + h + j) * b.col_stride) * es;
+      pack_rows_transposed(rp, n, b.dtype, kc, d + h, nr, lanes);
     }
   }
 }
+
+// Packing for the pair kernels. Both operands are bf16; a "pair unit" is a uint32 holding
+// element k (low half) and k + 1 (high half) of one row of A or one column of B, and a
+// panel is laid out exactly like the fp32 one with units in place of floats, kc / 2 rows
+// (rounded up; an odd last k is paired with 0).
+inline uint32_t pair_unit(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+
+// Units of elements k0 .. k0+kc of `lines` strided lines (line r at base + r * line_stride,
+// elements `step` apart), transposed into dst[p * ld + r]; lines past nlines are 0.
+void pack_pairs_transposed(const uint16_t* base, int64_t line_stride, int64_t step, int nlines,
+                           int64_t kc, uint32_t* dst, int64_t ld, int lanes) {
+  const int64_t kp = kc / 2;
+  if (step == 1 && nlines > 0) {
+    // Adjacent elements already form the units: a 32-bit transpose (bit copies through
+    // the fp32 path), leaving the odd tail to the scalar code below.
+    const void* rp[16];
+    for (int r = 0; r < nlines; ++r) rp[r] = base + r * line_stride;
+    pack_rows_transposed(rp, nlines, DType::f32, kp, reinterpret_cast<float*>(dst), ld, lanes);
+  } else {
+    for (int64_t p = 0; p < kp; ++p)
+      for (int r = 0; r < lanes; ++r) {
+        const uint16_t* e = base + r * line_stride + 2 * p * step;
+        dst[p * ld + r] = r < nlines ? pair_unit(e[0], e[step]) : 0u;
+      }
+  }
+  if (kc & 1)
+    for (int r = 0; r < lanes; ++r)
+      dst[kp * ld + r] = r < nlines ? pair_unit(base[r * line_stride + (kc - 1) * step], 0) : 0u;
+}
+
+void pack_a_pairs(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int64_t kc, int mr,
+                  float* dst_f) {
+  uint32_t* dst = reinterpret_cast<uint32_t*>(dst_f);
+  const uint16_t* base = static_cast<const uint16_t*>(a.data);
+  const int64_t kp = (kc + 1) / 2;
+  for (int64_t s = 0; s * mr < mc; ++s) {
+    const int rows = int(std::min<int64_t>(mr, mc - s * mr));
+    pack_pairs_transposed(base + (i0 + s * mr) * a.row_stride + k0 * a.col_stride, a.row_stride,
+                          a.col_stride, rows, kc, dst + s * kp * mr, mr, mr);
+  }
+}
+
+#if PG_X86
+// Row-major B: units interleave rows 2p and 2p + 1, 16 columns per step.
+PG_TARGET_AVX512 void pack_b_pairs_rows_avx512(const uint16_t* b, int64_t rs, int64_t kc,
+                                               int64_t nc, int nr, uint32_t* dst) {
+  const int64_t kp = (kc + 1) / 2;
+  for (int64_t p = 0; p < kp; ++p) {
+    const uint16_t* r0 = b + 2 * p * rs;
+    const bool has_r1 = 2 * p + 1 < kc;
+    for (int64_t j = 0; j < round_up_to(nc, nr); j += 16) {
+      const __mmask16 m = j < nc ? first_lanes(nc - j) : __mmask16(0);  // zero padding
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + j));
+      const __m512i hi = has_r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + rs + j))
+                                : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + (j / nr) * kp * nr + p * nr + (j % nr),
+                          _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+#endif
+
+void pack_b_pairs(const ConstMatrix& b, int64_t k0, int64_t kc, int64_t n0, int64_t nc, int nr,
+                  float* dst_f) {
+  uint32_t* dst = reinterpret_cast<uint32_t*>(dst_f);
+  const uint16_t* base =
+      static_cast<const uint16_t*>(b.data) + k0 * b.row_stride + n0 * b.col_stride;
+  const int64_t kp = (kc + 1) / 2;
+#if PG_X86
+  if (b.col_stride == 1 && nr % 16 == 0) {
+    pack_b_pairs_rows_avx512(base, b.row_stride, kc, nc, nr, dst);
+    return;
+  }
+#endif
+  // Columns are the lines: contiguous pairs when B is k-major (a transposed view).
+  for (int64_t s = 0; s * nr < nc; ++s) {
+    const int64_t cols = std::min<int64_t>(nr, nc - s * nr);
+    for (int h = 0; h < nr; h += 16) {
+      const int lanes = std::min(16, nr - h);
+      const int n = int(std::max<int64_t>(0, std::min<int64_t>(lanes, cols - h)));
+      pack_pairs_transposed(base + (s * nr + h) * b.col_stride, b.col_stride, b.row_stride, n, kc,
+                            dst + s * kp * nr + h, nr, lanes);
+    }
+  }
+}
+
+}  // namespace
+
+void pack_rows_transposed(const void* const* rows, int nrows, DType t, int64_t kc, float* dst,
+                          int64_t ld, int lanes) {
+#if PG_X86
+  if (active_isa() == Isa::avx512) {
+    pack_rows_transposed_avx512(rows, nrows, t, kc, dst, ld, lanes);
+    return;
+  }
+#endif
+  constexpr int64_t kChunk = 256;
+  alignas(64) float tmp[kChunk];
+  for (int64_t k0 = 0; k0 < kc; k0 += kChunk) {
+    const int64_t n = std::min(kChunk, kc - k0);
+    float* d = dst + k0 * ld;
+    for (int r = 0; r < lanes; ++r) {
+      if (r < nrows) {
+        convert_to_f32(static_cast<const char*>(rows[r]) + k0 * int64_t(dtype_size(t)), 1, t, n,
+                       tmp);
+        for (int64_t k = 0; k < n; ++k) d[k * ld + r] = tmp[k];
+      } else {
+        for (int64_t k = 0; k < n; ++k) d[k * ld + r] = 0.f;
+      }
+    }
+  }
+}
+
+namespace {
 
 // ---- driver ------------------------------------------------------------------------------
 
@@ -423,6 +828,7 @@ struct DenseJob {
   Epilogue ep;
   int64_t tm, tn;            // task grid
   int64_t m_units, n_units;  // rows / columns in units of mr / nr
+  mutable std::atomic<bool> failed{false};
 };
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -437,14 +843,13 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   const int64_t kcb = round_up((K + npc - 1) / npc, 4);
   const int64_t ncb = std::min(ks.nc, round_up(n_hi - n_lo, nr));
   const int64_t mchb = std::min(ks.mch, round_up(m_hi - m_lo, mr));
-  float* bp = scratch(0, size_t(kcb * ncb));
-  float* ap = scratch(1, size_t(kcb * mchb));
+  // Panel rows: k for fp32 panels, pairs of k for bf16 pair panels (32-bit units).
+  const bool pairs = ks.bf16_pairs;
+  const int64_t kub = pairs ? (kcb + 1) / 2 : kcb;
+  float* bp = scratch(0, size_t(kub * ncb));
+  float* ap = scratch(1, size_t(kub * mchb));
   float* ws = npc > 1 ? scratch(2, size_t(mchb * ncb)) : nullptr;
   alignas(64) float tile[16 * 64];
-  // With few rows of A, each B element is used by only a few micro-kernel calls, and
-  // packing B (a read and a write of all of it) would cost about as much as the GEMM
-  // itself: full-width slivers of a row-major fp32 B are then read in place.
-  const bool direct_b = p.b_direct != nullptr && m_hi - m_lo <= 3 * int64_t(mr);
 
   for (int64_t jc = n_lo; jc < n_hi; jc += ncb) {
     const int64_t nc = std::min(ncb, n_hi - jc);
@@ -453,23 +858,27 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
       for (int64_t pc = 0; pc < K; pc += kcb) {
         const int64_t kc = std::min(kcb, K - pc);
         const bool first = pc == 0, last = pc + kc == K;
-        const int64_t n_full = direct_b ? nc / nr * nr : 0;  // slivers read in place
-        if (n_full < nc) p.pack_b(p.b_ctx, pc, kc, jc + n_full, nc - n_full, nr, bp + n_full * kc);
-        pack_a(p.a, mo, mch, pc, kc, mr, ap);
+        const int64_t ku = pairs ? (kc + 1) / 2 : kc;
+        if (pairs) {
+          pack_b_pairs(*p.b_matrix, pc, kc, jc, nc, nr, bp);
+          pack_a_pairs(p.a, mo, mch, pc, kc, mr, ap);
+        } else {
+          p.pack_b(p.b_ctx, pc, kc, jc, nc, nr, bp);
+          pack_a(p.a, mo, mch, pc, kc, mr, ap);
+        }
         for (int64_t ir = 0; ir < mch; ir += mr) {
           const int m = int(std::min<int64_t>(mr, mch - ir));
           const MicroKernel kern = ks.kern[m];
-          const float* a_sl = ap + ir * kc;
+          const float* a_sl = ap + ir * ku;
           for (int64_t jr = 0; jr < nc; jr += nr) {
-            const bool in_place = jr < n_full;
-            const float* b_sl = in_place ? p.b_direct + pc * p.b_direct_ld + jc + jr : bp + jr * kc;
-            const int64_t ldb = in_place ? p.b_direct_ld : nr;
+            const float* b_sl = bp + jr * ku;
+            const int64_t ldb = nr;
             float* w = ws ? ws + ir * ncb + jr : nullptr;
             if (last) {
-              kern(kc, a_sl, b_sl, ldb, first ? nullptr : w, ncb, tile, nr);
+              kern(ku, a_sl, b_sl, ldb, first ? nullptr : w, ncb, tile, nr);
               job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
             } else {
-              kern(kc, a_sl, b_sl, ldb, first ? nullptr : w, ncb, w, ncb);
+              kern(ku, a_sl, b_sl, ldb, first ? nullptr : w, ncb, w, ncb);
             }
           }
         }
@@ -478,8 +887,133 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   }
 }
 
-void dense_task(void* ctx, int64_t begin, int64_t end) {
-  const DenseJob& job = *static_cast<const DenseJob*>(ctx);
+// ---- few rows: stream B ----------------------------------------------------------------
+
+// With M <= kStreamMaxM every element of B is used by at most a few FMAs, so the GEMM is
+// a pass over B and packing it would double the memory traffic. Instead each task walks
+// its columns of B row after row (long contiguous runs that hardware prefetch follows)
+// and accumulates into an M x width fp32 buffer that stays in L1/L2.
+constexpr int64_t kStreamMaxM = 8;
+
+struct StreamJob {
+  const DenseProblem* p;
+  const float* a;  // M x K fp32, contiguous
+  Epilogue ep;
+  int64_t tasks;
+  mutable std::atomic<bool> failed{false};
+};
+
+#if PG_X86
+// U rows of B per pass over the accumulators: fewer loads and stores of acc per FMA,
+// as long as the M x U broadcast values stay in registers. Rows k0 .. k1 (k1 - k0 a
+// multiple of U).
+template <int M, int U>
+PG_TARGET_AVX512 void stream_rows_avx512(const float* a, int64_t K, int64_t k0, int64_t k1,
+                                         const char* b, int64_t ldb, DType t, int64_t w,
+                                         float* acc) {
+  const int64_t es = int64_t(dtype_size(t));
+  for (int64_t k = k0; k < k1; k += U) {
+    __m512 av[M][U];
+    PG_UNROLL for (int m = 0; m < M; ++m)
+      PG_UNROLL for (int u = 0; u < U; ++u) av[m][u] = _mm512_set1_ps(a[m * K + k + u]);
+    const char* bk = b + k * ldb;
+    for (int64_t j = 0; j < w; j += 16) {
+      const __mmask16 mask = first_lanes(w - j);
+      __m512 bv[U];
+      PG_UNROLL for (int u = 0; u < U; ++u) bv[u] = load16_avx512(bk + u * ldb + j * es, t, mask);
+      PG_UNROLL for (int m = 0; m < M; ++m) {
+        __m512 c = _mm512_maskz_loadu_ps(mask, acc + m * w + j);
+        PG_UNROLL for (int u = 0; u < U; ++u) c = _mm512_fmadd_ps(av[m][u], bv[u], c);
+        _mm512_mask_storeu_ps(acc + m * w + j, mask, c);
+      }
+    }
+  }
+}
+
+template <int M>
+void stream_rows_avx512(const float* a, int64_t K, const char* b, int64_t ldb, DType t,
+                        int64_t w, float* acc) {
+  constexpr int U = M <= 4 ? 4 : 2;
+  const int64_t kmain = K / U * U;
+  stream_rows_avx512<M, U>(a, K, 0, kmain, b, ldb, t, w, acc);
+  // Leftover rows one at a time: padding them with zero weights would turn an inf in
+  // B into NaN.
+  stream_rows_avx512<M, 1>(a, K, kmain, K, b, ldb, t, w, acc);
+}
+#endif
+
+void stream_rows_generic(const float* a, int64_t M, int64_t K, const char* b, int64_t ldb,
+                         DType t, int64_t w, float* acc) {
+  float* row = scratch(5, size_t(w));
+  for (int64_t k = 0; k < K; ++k) {
+    convert_to_f32(b + k * ldb, 1, t, w, row);
+    for (int64_t m = 0; m < M; ++m) {
+      const float am = a[m * K + k];
+      float* c = acc + m * w;
+      for (int64_t j = 0; j < w; ++j) c[j] += am * row[j];
+    }
+  }
+}
+
+void stream_task_impl(const StreamJob& job, int64_t begin, int64_t end) {
+  const DenseProblem& p = *job.p;
+  const ConstMatrix& b = *p.b_matrix;
+  const int64_t es = int64_t(dtype_size(b.dtype));
+  const int64_t units = (p.n + 15) / 16;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t lo = std::min(p.n, units * t / job.tasks * 16);
+    const int64_t hi = std::min(p.n, units * (t + 1) / job.tasks * 16);
+    if (hi <= lo) continue;
+    const int64_t w = hi - lo;
+    float* acc = scratch(0, size_t(p.m * w));
+    std::memset(acc, 0, size_t(p.m * w) * sizeof(float));
+    const char* bb = static_cast<const char*>(b.data) + lo * es;
+    const int64_t ldb = b.row_stride * es;
+#if PG_X86
+    if (active_isa() == Isa::avx512) {
+      switch (p.m) {
+        case 1: stream_rows_avx512<1>(job.a, p.k, bb, ldb, b.dtype, w, acc); break;
+        case 2: stream_rows_avx512<2>(job.a, p.k, bb, ldb, b.dtype, w, acc); break;
+        case 3: stream_rows_avx512<3>(job.a, p.k, bb, ldb, b.dtype, w, acc); break;
+        case 4: stream_rows_avx512<4>(job.a, p.k, bb, ldb, b.dtype, w, acc); break;
+        case 5: stream_rows_avx512<5>(job.a, p.k, bb, ldb, b.dtype, w, acc); break;
+        case 6: stream_rows_avx512<6>(job.a, p.k, bb, ldb, b.dtype, w, acc); break;
+        case 7: stream_rows_avx512<7>(job.a, p.k, bb, ldb, b.dtype, w, acc); break;
+        default: stream_rows_avx512<8>(job.a, p.k, bb, ldb, b.dtype, w, acc); break;
+      }
+    } else
+#endif
+    {
+      stream_rows_generic(job.a, p.m, p.k, bb, ldb, b.dtype, w, acc);
+    }
+    job.ep.store(acc, w, 0, p.m, lo, w);
+  }
+}
+
+void stream_task(void* ctx, int64_t begin, int64_t end) {
+  const StreamJob& job = *static_cast<const StreamJob*>(ctx);
+  guarded(job.failed, [&] { stream_task_impl(job, begin, end); });
+}
+
+bool stream_gemm(const DenseProblem& p, const Epilogue& ep, const Executor& exec) {
+  StreamJob job{&p, nullptr, ep, 1};
+  float* a = scratch(4, size_t(p.m * p.k));
+  const int64_t es = int64_t(dtype_size(p.a.dtype));
+  for (int64_t m = 0; m < p.m; ++m)
+    convert_to_f32(static_cast<const char*>(p.a.data) + m * p.a.row_stride * es, p.a.col_stride,
+                   p.a.dtype, p.k, a + m * p.k);
+  job.a = a;
+  const int64_t threads = executor_threads(exec);
+  job.tasks = std::max<int64_t>(1, std::min(threads, (p.n + 255) / 256));
+  if (p.n * p.k < (1 << 18)) job.tasks = 1;  // under ~50 us: not worth a pool wake-up
+  if (job.tasks > 1 && exec.parallel_for != nullptr)
+    exec.parallel_for(exec.self, 0, job.tasks, 1, stream_task, &job);
+  else
+    stream_task(&job, 0, job.tasks);
+  return !job.failed.load();
+}
+
+void dense_task_impl(const DenseJob& job, int64_t begin, int64_t end) {
   const DenseProblem& p = *job.p;
   const int mr = job.ks->mr, nr = job.ks->nr;
   for (int64_t t = begin; t < end; ++t) {
@@ -492,6 +1026,11 @@ void dense_task(void* ctx, int64_t begin, int64_t end) {
   }
 }
 
+void dense_task(void* ctx, int64_t begin, int64_t end) {
+  const DenseJob& job = *static_cast<const DenseJob*>(ctx);
+  guarded(job.failed, [&] { dense_task_impl(job, begin, end); });
+}
+
 // c = act(bias) (or act(0)): the K == 0 case.
 void fill_epilogue(const Epilogue& ep, int64_t m, int64_t n) {
   alignas(64) float zeros[256] = {};
@@ -502,7 +1041,7 @@ void fill_epilogue(const Epilogue& ep, int64_t m, int64_t n) {
 
 }  // namespace
 
-void dense_gemm(const DenseProblem& p, const Executor& exec) {
+bool dense_gemm(const DenseProblem& p, const Executor& exec) {
   Epilogue ep;
   ep.act = p.act;
   ep.c = p.c;
@@ -514,13 +1053,19 @@ void dense_gemm(const DenseProblem& p, const Executor& exec) {
   }
   if (p.k == 0) {
     fill_epilogue(ep, p.m, p.n);
-    return;
+    return true;
   }
-  const KernelSet& ks = kernel_set();
+  if (p.b_matrix != nullptr && p.b_matrix->col_stride == 1 && p.m <= kStreamMaxM)
+    return stream_gemm(p, ep, exec);
+  const KernelSet* pair_set = bf16_kernel_set();
+  const bool use_pairs = pair_set != nullptr && p.b_matrix != nullptr &&
+                         p.a.dtype == DType::bf16 && p.b_matrix->dtype == DType::bf16;
+  const KernelSet& ks = use_pairs ? *pair_set : kernel_set();
   DenseJob job{&p, &ks, ep, 1, 1, (p.m + ks.mr - 1) / ks.mr, (p.n + ks.nr - 1) / ks.nr};
-  int64_t threads = exec.num_threads ? exec.num_threads(exec.self) : 1;
-  // Below ~0.1 MFLOP a wake-up of the pool costs more than it saves.
-  if (double(p.m) * double(p.n) * double(p.k) < 64.0 * 64.0 * 32.0) threads = 1;
+  int64_t threads = executor_threads(exec);
+  // Waking a pool costs ~10 us: below ~128^3 (measured break-even, 40 us of work) one
+  // thread is as fast.
+  if (double(p.m) * double(p.n) * double(p.k) < 128.0 * 128.0 * 128.0) threads = 1;
   if (threads > 1 && exec.parallel_for != nullptr) {
     // Split N first (each task then packs A on its own, which is cheap next to its
     // share of the FLOPs); split M only when N alone cannot feed every thread.
@@ -530,6 +1075,7 @@ void dense_gemm(const DenseProblem& p, const Executor& exec) {
   } else {
     dense_task(&job, 0, 1);
   }
+  return !job.failed.load();
 }
 
 Status gemm(const GemmArgs& args, const Executor& exec) {
@@ -543,16 +1089,17 @@ Status gemm(const GemmArgs& args, const Executor& exec) {
   p.a = args.a;
   p.pack_b = pack_b_dense;
   p.b_ctx = &args.b;
-  if (args.b.dtype == DType::f32 && args.b.col_stride == 1 && p.k > 0) {
-    p.b_direct = static_cast<const float*>(args.b.data);
-    p.b_direct_ld = args.b.row_stride;
-  }
+  p.b_matrix = &args.b;
   p.bias = args.bias;
   p.bias_stride = args.bias_stride;
   p.c = args.c;
   p.act = args.activation;
-  dense_gemm(p, exec);
-  return st;
+  bool ok = false;
+  try {
+    ok = dense_gemm(p, exec);
+  } catch (...) {  // bad_alloc on the calling thread
+  }
+  return ok ? st : Status{2, "gemm: out of memory (scratch buffers)"};
 }
 
 }  // namespace cpu

@@ -30,6 +30,83 @@ inline float scale_at(const QuantizedWeight& w, int64_t n, int64_t g) {
   return load_f32(w.scales, n * w.scales_row_stride + g, w.scales_dtype);
 }
 
+// Signed nibbles: move the wanted one to the top of a byte, then shift arithmetically
+// down (the left shift is done unsigned: shifting a negative value is UB in C++17).
+inline int low_nibble(uint8_t byte) { return static_cast<int8_t>(uint8_t(byte << 4)) >> 4; }
+inline int high_nibble(uint8_t byte) { return static_cast<int8_t>(byte) >> 4; }
+inline int nibble(const uint8_t* q, int64_t k) {
+  return (k & 1) ? high_nibble(q[k >> 1]) : low_nibble(q[k >> 1]);
+}
+
+#if PG_X86
+// o[i] = q(k + i) * s for i < len; int4 needs an even k.
+PG_TARGET_AVX512 void dequant_segment_avx512(const uint8_t* q, int bits, int64_t k, int64_t len,
+                                             float s, float* o) {
+  const __m512 sv = _mm512_set1_ps(s);
+  if (bits == 8) {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(q) + k;
+    for (int64_t i = 0; i < len; i += 16) {
+      const int64_t n = std::min<int64_t>(16, len - i);
+      const __mmask16 m = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, qs + i)));
+      _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(v, sv));
+    }
+    return;
+  }
+  // 16 bytes -> 32 values: low nibbles are the even k, high nibbles the odd k; two
+  // permutes interleave them back into k order.
+  const __m512i idx_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i idx_hi =
+      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  const uint8_t* qb = q + k / 2;
+  for (int64_t i = 0; i < len; i += 32) {
+    const int64_t n = std::min<int64_t>(32, len - i);  // even
+    const __mmask16 mb = n == 32 ? __mmask16(0xFFFF) : __mmask16((1u << (n / 2)) - 1);
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mb, qb + i / 2));
+    const __m512 lo = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28)), sv);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 4)), sv);
+    const __m512 o0 = _mm512_permutex2var_ps(lo, idx_lo, hi);
+    const __m512 o1 = _mm512_permutex2var_ps(lo, idx_hi, hi);
+    if (n == 32) {
+      _mm512_storeu_ps(o + i, o0);
+      _mm512_storeu_ps(o + i + 16, o1);
+    } else {
+      const int64_t n0 = std::min<int64_t>(16, n);
+      _mm512_mask_storeu_ps(o + i, __mmask16((1u << n0) - 1), o0);
+      if (n > 16) _mm512_mask_storeu_ps(o + i + 16, __mmask16((1u << (n - 16)) - 1), o1);
+    }
+  }
+}
+#endif
+
+// o[i] = q(k + i) * s for i < len (one scale: the segment lies within one group).
+void dequant_segment(const uint8_t* q, int bits, int64_t k, int64_t len, float s, float* o) {
+  if (bits == 4 && (k & 1) && len > 0) {  // odd group sizes only: align to a byte
+    o[0] = float(nibble(q, k)) * s;
+    ++k;
+    ++o;
+    --len;
+  }
+  const int64_t even = bits == 4 ? len & ~int64_t(1) : len;
+#if PG_X86
+  if (active_isa() == Isa::avx512) {
+    dequant_segment_avx512(q, bits, k, even, s, o);
+  } else
+#endif
+  if (bits == 8) {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(q) + k;
+    for (int64_t i = 0; i < even; ++i) o[i] = float(qs[i]) * s;
+  } else {
+    const uint8_t* qb = q + k / 2;
+    for (int64_t j = 0; j < even / 2; ++j) {
+      o[2 * j] = float(low_nibble(qb[j])) * s;
+      o[2 * j + 1] = float(high_nibble(qb[j])) * s;
+    }
+  }
+  if (even < len) o[even] = float(nibble(q, k + even)) * s;
+}
+
 // out[k] = dequant(w)(n, k0 + k) for k < kc.
 void dequant_row(const QuantizedWeight& w, int64_t n, int64_t k0, int64_t kc, float* out) {
   const uint8_t* q = static_cast<const uint8_t*>(w.data) + n * w.row_stride;
@@ -39,39 +116,30 @@ void dequant_row(const QuantizedWeight& w, int64_t n, int64_t k0, int64_t kc, fl
   while (k < kend) {
     const int64_t g = w.group_size > 0 ? k / gs : 0;
     const int64_t stop = std::min(kend, (g + 1) * gs);
-    const float s = scale_at(w, n, g);
-    float* o = out + (k - k0);
-    const int64_t len = stop - k;
-    if (w.bits == 8) {
-      const int8_t* qs = reinterpret_cast<const int8_t*>(q) + k;
-      for (int64_t i = 0; i < len; ++i) o[i] = float(qs[i]) * s;
-    } else {
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t kk = k + i;
-        const int8_t byte = static_cast<int8_t>(q[kk >> 1]);
-        // Signed nibbles: shift the wanted one to the top, then arithmetic shift down.
-        const int v = (kk & 1) ? (byte >> 4) : (static_cast<int8_t>(byte << 4) >> 4);
-        o[i] = float(v) * s;
-      }
-    }
+    dequant_segment(q, w.bits, k, stop - k, scale_at(w, n, g), out + (k - k0));
     k = stop;
   }
 }
 
-// PackB over the dequantised weight: B(k, n) = dequant(w)(n, k).
+// PackB over the dequantised weight: B(k, n) = dequant(w)(n, k). Weight rows are
+// dequantised 16 at a time into fp32 rows, then transposed into the sliver.
 void pack_b_quant(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc, int nr,
                   float* dst) {
   const QuantizedWeight& w = *static_cast<const QuantizedWeight*>(ctx);
-  float* row = scratch(5, size_t(kc));
+  float* tmp = scratch(5, size_t(16 * kc));
   for (int64_t s = 0; s * nr < nc; ++s) {
     float* d = dst + s * kc * nr;
     const int64_t cols = std::min<int64_t>(nr, nc - s * nr);
-    for (int64_t j = 0; j < cols; ++j) {
-      dequant_row(w, n0 + s * nr + j, k0, kc, row);
-      for (int64_t k = 0; k < kc; ++k) d[k * nr + j] = row[k];
+    for (int h = 0; h < nr; h += 16) {
+      const int lanes = std::min(16, nr - h);
+      const int n = int(std::max<int64_t>(0, std::min<int64_t>(lanes, cols - h)));
+      const void* rp[16];
+      for (int j = 0; j < n; ++j) {
+        dequant_row(w, n0 + s * nr + h + j, k0, kc, tmp + j * kc);
+        rp[j] = tmp + j * kc;
+      }
+      pack_rows_transposed(rp, n, DType::f32, kc, d + h, nr, lanes);
     }
-    for (int64_t j = cols; j < nr; ++j)
-      for (int64_t k = 0; k < kc; ++k) d[k * nr + j] = 0.f;
   }
 }
 
@@ -84,6 +152,7 @@ struct SmallJob {
   int64_t m, n, k;
   Epilogue ep;
   bool vector_path;
+  mutable std::atomic<bool> failed{false};
 };
 
 // Portable: dequantise one weight row to fp32 (L1-resident), then dot it with every row
@@ -179,13 +248,7 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
         const float* xm = x + m * ldx;
         float sum = 0.f;
         for (int64_t k = kvec; k < K; ++k) {
-          int v;
-          if (INT4) {
-            const int8_t byte = static_cast<int8_t>(q[r][k >> 1]);
-            v = (k & 1) ? (byte >> 4) : (static_cast<int8_t>(byte << 4) >> 4);
-          } else {
-            v = reinterpret_cast<const int8_t*>(q[r])[k];
-          }
+          const int v = INT4 ? nibble(q[r], k) : reinterpret_cast<const int8_t*>(q[r])[k];
           sum += float(v) * xm[k];
         }
         out[r * MB + m] += sum * s;
@@ -229,8 +292,7 @@ void small_rows_avx512(const SmallJob& job, int64_t n0, int64_t n1, float* res, 
 }
 #endif
 
-void small_task(void* ctx, int64_t n0, int64_t n1) {
-  const SmallJob& job = *static_cast<const SmallJob*>(ctx);
+void small_task_impl(const SmallJob& job, int64_t n0, int64_t n1) {
   const int64_t cols = n1 - n0;
   float* res = scratch(0, size_t(job.m * cols));
 #if PG_X86
@@ -247,7 +309,12 @@ void small_task(void* ctx, int64_t n0, int64_t n1) {
   job.ep.store(res, cols, 0, job.m, n0, cols);
 }
 
-Status small_m(const MixedLinearArgs& args, const Executor& exec) {
+void small_task(void* ctx, int64_t n0, int64_t n1) {
+  const SmallJob& job = *static_cast<const SmallJob*>(ctx);
+  guarded(job.failed, [&] { small_task_impl(job, n0, n1); });
+}
+
+bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   const int64_t M = args.x.rows, N = args.w.n, K = args.w.k;
   SmallJob job;
   job.args = &args;
@@ -289,15 +356,15 @@ Status small_m(const MixedLinearArgs& args, const Executor& exec) {
     for (int64_t k = kvec; k < K; ++k) xm[k] = tmp[k];
   }
   job.x = x;
-  const int64_t threads = exec.num_threads ? exec.num_threads(exec.self) : 1;
+  const int64_t threads = executor_threads(exec);
   // Threads get contiguous blocks of whole weight rows, at least 16 each, and only
   // when the weight is big enough to amortise waking them.
-  if (threads > 1 && exec.parallel_for != nullptr && N * K * (M + 1) >= (1 << 18))
+  if (threads > 1 && exec.parallel_for != nullptr && N * K * (M + 1) >= (1 << 20))
     exec.parallel_for(exec.self, 0, N, std::max<int64_t>(16, (N + threads - 1) / threads),
                       small_task, &job);
   else
     small_task(&job, 0, N);
-  return Status{};
+  return !job.failed.load();
 }
 
 }  // namespace
@@ -307,20 +374,27 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
   if (!st.ok()) return st;
   const int64_t M = args.x.rows, N = args.w.n, K = args.w.k;
   if (M == 0 || N == 0) return st;
-  if (M <= kSmallM || K == 0) return small_m(args, exec);
-  DenseProblem p;
-  p.m = M;
-  p.n = N;
-  p.k = K;
-  p.a = args.x;
-  p.pack_b = pack_b_quant;
-  p.b_ctx = &args.w;
-  p.bias = args.bias;
-  p.bias_stride = args.bias_stride;
-  p.c = args.y;
-  p.act = args.activation;
-  dense_gemm(p, exec);
-  return st;
+  bool ok = false;
+  try {
+    if (M <= kSmallM || K == 0) {
+      ok = small_m(args, exec);
+    } else {
+      DenseProblem p;
+      p.m = M;
+      p.n = N;
+      p.k = K;
+      p.a = args.x;
+      p.pack_b = pack_b_quant;
+      p.b_ctx = &args.w;
+      p.bias = args.bias;
+      p.bias_stride = args.bias_stride;
+      p.c = args.y;
+      p.act = args.activation;
+      ok = dense_gemm(p, exec);
+    }
+  } catch (...) {  // bad_alloc on the calling thread
+  }
+  return ok ? st : Status{2, "mixed_linear: out of memory (scratch buffers)"};
 }
 
 }  // namespace cpu

@@ -17,10 +17,17 @@ struct QuantJob {
   const QuantizeArgs* args;
   int64_t k, groups, group_len;
   float qmin, qmax;
+  mutable std::atomic<bool> failed{false};
 };
+
+void quantize_rows_impl(const QuantJob& job, int64_t begin, int64_t end);
 
 void quantize_rows(void* ctx, int64_t begin, int64_t end) {
   const QuantJob& job = *static_cast<const QuantJob*>(ctx);
+  guarded(job.failed, [&] { quantize_rows_impl(job, begin, end); });
+}
+
+void quantize_rows_impl(const QuantJob& job, int64_t begin, int64_t end) {
   const QuantizeArgs& a = *job.args;
   const int64_t K = job.k;
   const int64_t es = int64_t(dtype_size(a.w.dtype));
@@ -28,8 +35,9 @@ void quantize_rows(void* ctx, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
     convert_to_f32(static_cast<const char*>(a.w.data) + n * a.w.row_stride * es, a.w.col_stride,
                    a.w.dtype, K, row);
+    // Pass 1, per group: the scale, then q in place of the weights (as floats).
     for (int64_t g = 0; g < job.groups; ++g) {
-      const float* v = row + g * job.group_len;
+      float* v = row + g * job.group_len;
       float absmax = 0.f;
       for (int64_t i = 0; i < job.group_len; ++i) absmax = std::max(absmax, std::fabs(v[i]));
       // Round the scale to its storage type first: q must be computed against the value
@@ -37,23 +45,33 @@ void quantize_rows(void* ctx, int64_t begin, int64_t end) {
       const int64_t scale_index = a.group_size > 0 ? n * job.groups + g : n;
       store_f32(a.scales, scale_index, a.scales_dtype, absmax / job.qmax);
       const float scale = load_f32(a.scales, scale_index, a.scales_dtype);
-      int8_t q[2];
+      if (scale == 0.f) {
+        for (int64_t i = 0; i < job.group_len; ++i) v[i] = 0.f;
+        continue;
+      }
+      const float lo = job.qmin, hi = job.qmax;
       for (int64_t i = 0; i < job.group_len; ++i) {
-        float r = 0.f;
-        if (scale != 0.f) {
-          r = std::nearbyint(v[i] / scale);  // default FP environment: ties to even
-          r = std::min(std::max(r, job.qmin), job.qmax);
-          if (r != r) r = 0.f;  // NaN weight: no defined integer, store 0
-        }
-        const int64_t k = g * job.group_len + i;
-        if (a.bits == 8) {
-          static_cast<int8_t*>(a.qweight)[n * K + k] = static_cast<int8_t>(r);
-        } else {
-          q[k & 1] = static_cast<int8_t>(r);
-          if (k & 1)
-            static_cast<uint8_t*>(a.qweight)[n * (K / 2) + k / 2] =
-                static_cast<uint8_t>((q[0] & 0x0F) | ((q[1] & 0x0F) << 4));
-        }
+        // Clamping before rounding gives the same integer (the bounds are integers) and
+        // keeps |r| small enough for the round-half-even trick: adding 1.5 * 2^23 leaves
+        // no fraction bits, so the FPU's ties-to-even rounding does the work (this needs
+        // IEEE float semantics, i.e. no -ffast-math, like the fp16 conversions).
+        float r = v[i] / scale;
+        r = r < lo ? lo : r;
+        r = r > hi ? hi : r;
+        v[i] = (r + 12582912.f) - 12582912.f;  // NaN stays NaN
+      }
+    }
+    // Pass 2: store; a NaN weight has no defined integer and becomes 0.
+    if (a.bits == 8) {
+      int8_t* dst = static_cast<int8_t*>(a.qweight) + n * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = row[k] == row[k] ? static_cast<int8_t>(row[k]) : 0;
+    } else {
+      uint8_t* dst = static_cast<uint8_t*>(a.qweight) + n * (K / 2);
+      for (int64_t j = 0; j < K / 2; ++j) {
+        const float r0 = row[2 * j], r1 = row[2 * j + 1];
+        const int q0 = r0 == r0 ? static_cast<int>(r0) : 0;
+        const int q1 = r1 == r1 ? static_cast<int>(r1) : 0;
+        dst[j] = static_cast<uint8_t>((q0 & 0x0F) | ((q1 & 0x0F) << 4));
       }
     }
   }
@@ -78,7 +96,7 @@ Status quantize(const QuantizeArgs& args, const Executor& exec) {
     exec.parallel_for(exec.self, 0, n, grain, quantize_rows, &job);
   else
     quantize_rows(&job, 0, n);
-  return st;
+  return job.failed.load() ? Status{2, "quantize: out of memory (scratch buffer)"} : st;
 }
 
 }  // namespace cpu

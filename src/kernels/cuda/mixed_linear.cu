@@ -1,6 +1,8 @@
 // cuda::mixed_linear: y = act(x @ dequant(w)^T + bias), w int8 [N, K] or int4 packed
 // [N, K/2] with per-channel or group-wise scales (f32 / f16 / bf16).
-//   M <= 16:        GEMV kernel (bandwidth-bound; weights streamed once in 16-byte chunks).
+//   M <= 16, f16/bf16 x (aligned, K % 128 (int4) / 64 (int8) == 0): tensor-core GEMV
+//                   (mma.sync, weight dequantised in registers into the A fragment).
+//   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
 //   M > 16, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the fly.
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include "cuda/common.cuh"
@@ -349,6 +351,327 @@ Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
   return launch_gemv<BITS, 16>(p, stream);
 }
 
+// ---- tensor-core GEMV (M <= 16, f16 / bf16 x) ------------------------------------------
+// y^T[N, M] = W[N, K] . x^T: the weight is the A operand of mma.sync m16n8k16 (16 weight
+// rows per tile, dequantised in registers straight into the A fragment), x^T the B operand
+// (8 rows of x per n8 tile, MT = 1 or 2 tiles for M <= 8 / <= 16), fp32 accumulate.
+// The 4 lanes of a fragment row (t = lane % 4) each load one 16-byte piece of the row: a
+// chunk is 4 consecutive pieces (CHUNK = 128 k for int4, 64 for int8). Inside a chunk the k
+// order of the MMAs is permuted (the dot product does not care) so that every lane uses
+// only its own piece, and x is loaded in the same permutation (16-byte loads + prmt).
+// Block = 8 warps over the same 16 * RT rows, splitting K (warp w takes chunks w, w + 8, ..);
+// the 8 partial results are summed through shared memory. Scales: per channel at the end;
+// groups that cover whole chunks on the fp32 partial of each chunk (exact); smaller groups
+// (a multiple of the piece) folded into the 16-bit weight before the MMA (q * s rounded
+// once to f16/bf16).
+namespace tcv {
+constexpr int THREADS = 256;
+constexpr int KW = THREADS / 32;  // warps per block, splitting K
+constexpr int RT = 2;             // 16-row weight tiles per warp
+constexpr int ROWS = 16 * RT;     // weight rows (outputs) per block
+}  // namespace tcv
+
+template <int BITS>
+struct TcvCfg {
+  static constexpr int LK = BITS == 4 ? 32 : 16;  // k per lane per chunk (one 16-byte piece)
+  static constexpr int CHUNK = 4 * LK;            // k per chunk
+  static constexpr int XU = LK * 2 / 16;          // 16-byte x loads per lane per x row
+};
+
+struct TcvParams {
+  const void* x;
+  int64_t x_rs;
+  const uint8_t* q;
+  int64_t q_rs;
+  const void* scales;
+  int64_t s_rs;
+  int s_dt;
+  int mode;  // 0 per channel, 1 group scale on the chunk's fp32 partial, 2 folded
+  int64_t gs;
+  const void* bias;
+  int64_t bias_stride;
+  void* y;
+  int64_t y_rs, y_cs;
+  int64_t N, K;
+  int M, act;
+};
+
+// Streaming 16-byte weight load: read once, keep it out of L1 (x lives there).
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b);
+template <>
+__device__ __forceinline__ uint32_t sub2<__half>(uint32_t a, uint32_t b) {
+  __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+template <>
+__device__ __forceinline__ uint32_t sub2<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r =
+      __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+template <typename T>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b);
+template <>
+__device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_t b) {
+  __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+template <>
+__device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r =
+      __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// Nibbles i and i + 4 of w (w already xor 0x88888888: nibble = q + 8) as two exact 16-bit
+// values q: 0x6400 | u = 1024 + u (f16), 0x4300 | u = 128 + u (bf16), minus the bias.
+template <typename T>
+__device__ __forceinline__ uint32_t dq4(uint32_t wx, int i) {
+  constexpr uint32_t magic = std::is_same<T, __half>::value ? 0x64006400u : 0x43004300u;
+  constexpr uint32_t bias = std::is_same<T, __half>::value ? 0x64086408u : 0x43084308u;
+  return sub2<T>(((wx >> (4 * i)) & 0x000F000Fu) | magic, bias);
+}
+// Bytes 2h and 2h + 1 of w (signed int8) as two exact 16-bit values.
+template <typename T>
+__device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
+  if constexpr (std::is_same<T, __half>::value) {
+    // (b ^ 0x80) in the mantissa of 1024: 1024 + q + 128, minus 1152 (0x6480).
+    const uint32_t v = __byte_perm(w ^ 0x80808080u, 0x64646464u, h ? 0x4342u : 0x4140u);
+    return sub2<__half>(v, 0x64806480u);
+  } else {
+    return pack2<__nv_bfloat16>(s8_to_f32(w, 2 * h), s8_to_f32(w, 2 * h + 1));
+  }
+}
+
+template <typename T, int BITS, int MT>
+__global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
+  using Cfg = TcvCfg<BITS>;
+  constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU;
+  constexpr int RT = tcv::RT, KW = tcv::KW, NACC = RT * MT * 4;
+  __shared__ float red[KW][NACC][32];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * tcv::ROWS;
+  const int64_t nchunks = p.K / CHUNK;
+  const T* xg = static_cast<const T*>(p.x);
+
+  float acc[RT][MT][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[rt][mt][r] = 0.f;
+
+  // x is prefetched one chunk ahead with the weights, except for int4 at M > 8, where the
+  // two register stages of x (64 registers) would spill: there x is loaded per chunk.
+  constexpr bool XPF = !(BITS == 4 && MT == 2);
+  uint4 wn[RT][2], xn[MT][XU];
+  float sn[RT][2];
+  auto load_x = [&](int64_t c, uint4 (&xd)[MT][XU]) {
+    const int64_t k = c * CHUNK + tig * LK;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int m = mt * 8 + g;
+#pragma unroll
+      for (int u = 0; u < XU; ++u) xd[mt][u] = make_uint4(0u, 0u, 0u, 0u);
+      if (m < p.M) {
+        const uint4* src = reinterpret_cast<const uint4*>(xg + m * p.x_rs + k);
+#pragma unroll
+        for (int u = 0; u < XU; ++u) xd[mt][u] = __ldg(src + u);
+      }
+    }
+  };
+  auto load = [&](int64_t c) {
+    const int64_t k = c * CHUNK + tig * LK;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = n0 + rt * 16 + h * 8 + g;
+        wn[rt][h] = make_uint4(0u, 0u, 0u, 0u);
+        sn[rt][h] = 0.f;
+        if (n < p.N) {
+          wn[rt][h] = ldg_stream(p.q + n * p.q_rs + k * BITS / 8);
+          sn[rt][h] = p.mode == 0 ? 1.f : load_f32(p.scales, p.s_dt, n * p.s_rs + div_nn(k, p.gs));
+        }
+      }
+    if constexpr (XPF) load_x(c, xn);
+  };
+
+  int64_t c = warp;
+  if (c < nchunks) load(c);
+  for (; c < nchunks; c += KW) {
+    uint4 wc[RT][2], xc[MT][XU];
+    float sc[RT][2];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wc[rt][h] = wn[rt][h];
+        sc[rt][h] = sn[rt][h];
+      }
+    if constexpr (XPF) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int u = 0; u < XU; ++u) xc[mt][u] = xn[mt][u];
+    } else {
+      load_x(c, xc);
+    }
+    if (c + KW < nchunks) load(c + KW);
+
+    const bool fold = p.mode == 2;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+      float part[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) part[mt][r] = 0.f;
+      const uint32_t s0 = pack2<T>(sc[rt][0], sc[rt][0]), s1 = pack2<T>(sc[rt][1], sc[rt][1]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t w0 = word_of(wc[rt][0], j), w1 = word_of(wc[rt][1], j);
+        if constexpr (BITS == 4) {
+          const uint32_t x0 = w0 ^ 0x88888888u, x1 = w1 ^ 0x88888888u;
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            uint32_t a[4];
+            a[0] = dq4<T>(x0, 2 * t);
+            a[1] = dq4<T>(x1, 2 * t);
+            a[2] = dq4<T>(x0, 2 * t + 1);
+            a[3] = dq4<T>(x1, 2 * t + 1);
+            if (fold) {
+              a[0] = mul2<T>(a[0], s0);
+              a[2] = mul2<T>(a[2], s0);
+              a[1] = mul2<T>(a[1], s1);
+              a[3] = mul2<T>(a[3], s1);
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const uint32_t lo = word_of(xc[mt][j], t), hi = word_of(xc[mt][j], t + 2);
+              const uint32_t b[2] = {__byte_perm(lo, hi, 0x5410u), __byte_perm(lo, hi, 0x7632u)};
+              mma_16816<T>(part[mt], a, b);
+            }
+          }
+        } else {
+          uint32_t a[4];
+          a[0] = dq8<T>(w0, 0);
+          a[1] = dq8<T>(w1, 0);
+          a[2] = dq8<T>(w0, 1);
+          a[3] = dq8<T>(w1, 1);
+          if (fold) {
+            a[0] = mul2<T>(a[0], s0);
+            a[2] = mul2<T>(a[2], s0);
+            a[1] = mul2<T>(a[1], s1);
+            a[3] = mul2<T>(a[3], s1);
+          }
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint32_t b[2] = {word_of(xc[mt][j / 2], 2 * (j % 2)),
+                                   word_of(xc[mt][j / 2], 2 * (j % 2) + 1)};
+            mma_16816<T>(part[mt], a, b);
+          }
+        }
+      }
+      const float f0 = p.mode == 1 ? sc[rt][0] : 1.f, f1 = p.mode == 1 ? sc[rt][1] : 1.f;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        acc[rt][mt][0] = fmaf(f0, part[mt][0], acc[rt][mt][0]);
+        acc[rt][mt][1] = fmaf(f0, part[mt][1], acc[rt][mt][1]);
+        acc[rt][mt][2] = fmaf(f1, part[mt][2], acc[rt][mt][2]);
+        acc[rt][mt][3] = fmaf(f1, part[mt][3], acc[rt][mt][3]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) red[warp][(rt * MT + mt) * 4 + r][lane] = acc[rt][mt][r];
+  __syncthreads();
+  for (int e = threadIdx.x; e < NACC * 32; e += tcv::THREADS) {
+    const int i = e / 32, ln = e % 32;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < KW; ++w) v += red[w][i][ln];
+    const int rt = i / (MT * 4), mt = (i / 4) % MT, r = i % 4;
+    const int64_t n = n0 + rt * 16 + (ln >> 2) + 8 * (r >> 1);
+    const int m = mt * 8 + 2 * (ln & 3) + (r & 1);
+    if (n < p.N && m < p.M) {
+      if (p.mode == 0) v *= load_f32(p.scales, p.s_dt, n * p.s_rs);
+      if (p.bias) v += to_f32(static_cast<const T*>(p.bias)[n * p.bias_stride]);
+      static_cast<T*>(p.y)[m * p.y_rs + n * p.y_cs] = from_f32<T>(apply_act(v, p.act));
+    }
+  }
+}
+
+template <typename T, int BITS>
+Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
+  const int64_t blocks = ceil_div(p.N, tcv::ROWS);
+  if (blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
+  if (p.M <= 8)
+    gemv_tc_kernel<T, BITS, 1><<<static_cast<unsigned>(blocks), tcv::THREADS, 0, stream>>>(p);
+  else
+    gemv_tc_kernel<T, BITS, 2><<<static_cast<unsigned>(blocks), tcv::THREADS, 0, stream>>>(p);
+  return launch_status();
+}
+
+// The tensor-core GEMV's preconditions (else the SIMT GEMV): f16/bf16 x with unit column
+// stride and 16-byte aligned rows, 16-byte aligned weight rows, K a multiple of the chunk,
+// group size a multiple of the 16-byte piece.
+template <int BITS>
+bool gemv_tc_ok(const MixedLinearArgs& a) {
+  using Cfg = TcvCfg<BITS>;
+  const ConstMatrix& x = a.x;
+  if (x.dtype != DType::f16 && x.dtype != DType::bf16) return false;
+  if (x.cols % Cfg::CHUNK != 0) return false;
+  if (a.w.group_size != 0 && a.w.group_size % Cfg::LK != 0) return false;
+  if (!aligned_to(a.w.data, 16) || a.w.row_stride % 16 != 0) return false;
+  if (x.cols > 0 && (x.col_stride != 1 || !aligned_to(x.data, 16))) return false;
+  if (x.rows > 1 && x.row_stride % 8 != 0) return false;
+  return true;
+}
+
+template <int BITS>
+Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
+  using Cfg = TcvCfg<BITS>;
+  TcvParams p;
+  p.x = a.x.data;
+  p.x_rs = a.x.row_stride;
+  p.q = static_cast<const uint8_t*>(a.w.data);
+  p.q_rs = a.w.row_stride;
+  p.scales = a.w.scales;
+  p.s_rs = a.w.scales_row_stride;
+  p.s_dt = static_cast<int>(a.w.scales_dtype);
+  p.gs = a.w.group_size;
+  p.mode = p.gs == 0 ? 0 : (p.gs % Cfg::CHUNK == 0 ? 1 : 2);
+  if (p.gs == 0) p.gs = 1;  // unused; keeps the division defined
+  p.bias = a.bias;
+  p.bias_stride = a.bias_stride;
+  p.y = a.y.data;
+  p.y_rs = a.y.row_stride;
+  p.y_cs = a.y.col_stride;
+  p.N = a.w.n;
+  p.K = a.x.cols;
+  p.M = static_cast<int>(a.x.rows);
+  p.act = static_cast<int>(a.activation);
+  return a.x.dtype == DType::f16 ? launch_gemv_tc<__half, BITS>(p, stream)
+                                 : launch_gemv_tc<__nv_bfloat16, BITS>(p, stream);
+}
+
 constexpr int64_t GEMV_MAX_M = 16;
 
 }  // namespace detail
@@ -400,6 +723,8 @@ Status mixed_linear(const MixedLinearArgs& args, void* stream_ptr) {
                   "portable_gemm.cuda.mixed_linear: bits must be 4 or 8"};
 
   if (M <= GEMV_MAX_M) {
+    if (qp.bits == 4 ? gemv_tc_ok<4>(args) : gemv_tc_ok<8>(args))
+      return qp.bits == 4 ? gemv_tc_dispatch<4>(args, stream) : gemv_tc_dispatch<8>(args, stream);
     GemvParams p;
     p.x = args.x.data;
     p.x_rs = args.x.row_stride;

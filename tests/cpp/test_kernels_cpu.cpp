@@ -1,0 +1,315 @@
+// Standalone test of the torch-free CPU kernels (no torch, no test framework).
+//
+//   g++ -O2 -std=c++17 -Iinclude tests/cpp/test_kernels_cpu.cpp -Lbuild/lib
+//     -lportable_gemm_kernels -Wl,-rpath,build/lib -lpthread -o /tmp/test_kernels_cpu
+//   /tmp/test_kernels_cpu      # exit status 0 = pass
+//
+// References are computed in double from the same (rounded) inputs. Run it with
+// PORTABLE_GEMM_ISA=generic / avx2 as well to cover the fallback kernels.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "portable_gemm/kernels.h"
+
+using namespace portable_gemm;
+
+namespace {
+
+int g_failures = 0;
+#define CHECK(cond, ...)                                \
+  do {                                                  \
+    if (!(cond)) {                                      \
+      ++g_failures;                                     \
+      std::printf("FAIL %s:%d: ", __FILE__, __LINE__);  \
+      std::printf(__VA_ARGS__);                         \
+      std::printf("\n");                                \
+    }                                                   \
+  } while (0)
+
+std::mt19937 rng(1234);
+float randn() { return std::normal_distribution<float>(0.f, 1.f)(rng); }
+
+uint16_t to_bf16(float f) {  // round to nearest even (finite inputs only)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+float from_bf16(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// A dense buffer of f32 or bf16 holding a logical rows x cols matrix with given strides.
+struct Buf {
+  DType t;
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  int64_t rows, cols, rs, cs;
+  Buf(DType t_, int64_t r, int64_t c, bool transposed, int64_t pad = 0)
+      : t(t_), rows(r), cols(c) {
+    rs = transposed ? 1 : c + pad;
+    cs = transposed ? r + pad : 1;
+    const size_t n = size_t(std::max<int64_t>(1, transposed ? (r + pad) * c : r * (c + pad)));
+    if (t == DType::f32) f.assign(n, NAN); else h.assign(n, 0x7fc0);
+  }
+  void* ptr() {
+    return t == DType::f32 ? static_cast<void*>(f.data()) : static_cast<void*>(h.data());
+  }
+  float get(int64_t r, int64_t c) const {
+    const int64_t i = r * rs + c * cs;
+    return t == DType::f32 ? f[i] : from_bf16(h[i]);
+  }
+  void set(int64_t r, int64_t c, float v) {
+    const int64_t i = r * rs + c * cs;
+    if (t == DType::f32) f[i] = v; else h[i] = to_bf16(v);
+  }
+  void fill_random() {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) set(r, c, randn());
+  }
+  ConstMatrix cview() { return ConstMatrix{ptr(), rows, cols, rs, cs, t}; }
+  Matrix view() { return Matrix{ptr(), rows, cols, rs, cs, t}; }
+};
+
+double act_ref(double x, Activation a) {
+  switch (a) {
+    case Activation::relu: return x > 0 ? x : 0;
+    case Activation::silu: return x / (1 + std::exp(-x));
+    case Activation::gelu: return 0.5 * x * std::erfc(-x / std::sqrt(2.0));
+    default: return x;
+  }
+}
+
+void test_gemm(int64_t M, int64_t N, int64_t K, DType t, bool ta, bool tb, bool tc, bool bias,
+               Activation act) {
+  Buf a(t, M, K, ta, 3), b(t, K, N, tb, 5), c(t, M, N, tc, 1), bi(t, 1, N, false);
+  a.fill_random();
+  b.fill_random();
+  bi.fill_random();
+  GemmArgs g;
+  g.a = a.cview();
+  g.b = b.cview();
+  g.c = c.view();
+  g.bias = bias ? bi.ptr() : nullptr;
+  g.activation = act;
+  const Status s = cpu::gemm(g, builtin_executor());
+  CHECK(s.ok(), "gemm %lldx%lldx%lld: %s", (long long)M, (long long)N, (long long)K, s.message);
+  const double tol = t == DType::f32 ? 1e-5 : 1e-2;
+  double worst = 0;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double acc = 0, mag = 1;
+      for (int64_t k = 0; k < K; ++k) {
+        acc += double(a.get(i, k)) * b.get(k, j);
+        mag += std::fabs(double(a.get(i, k)) * b.get(k, j));
+      }
+      if (bias) acc += bi.get(0, j);
+      const double ref = act_ref(acc, act);
+      const double got = c.get(i, j);
+      const double err = std::isnan(got) ? 1e9 : std::fabs(got - ref) / (mag + std::fabs(ref));
+      worst = std::max(worst, err);
+    }
+  CHECK(worst <= tol, "gemm %lldx%lldx%lld dtype %d ta %d tb %d tc %d bias %d act %d: rel err %g",
+        (long long)M, (long long)N, (long long)K, int(t), ta, tb, tc, bias, int(act), worst);
+}
+
+void test_mixed(int64_t M, int64_t N, int64_t K, int bits, int64_t gs, DType t) {
+  const int64_t row_bytes = bits == 8 ? K : K / 2;
+  std::vector<uint8_t> q(size_t(std::max<int64_t>(1, N * (row_bytes + 3))));
+  for (auto& v : q) v = uint8_t(rng());
+  const int64_t groups = gs ? K / gs : 1;
+  std::vector<float> sc(size_t(std::max<int64_t>(1, N * groups)));
+  for (auto& v : sc) v = 0.001f + 0.01f * std::fabs(randn());
+  Buf x(t, M, K, false, 2), y(t, M, N, false);
+  x.fill_random();
+  MixedLinearArgs m;
+  m.x = x.cview();
+  m.w.data = q.data();
+  m.w.n = N;
+  m.w.k = K;
+  m.w.row_stride = row_bytes + 3;
+  m.w.bits = bits;
+  m.w.group_size = gs;
+  m.w.scales = sc.data();
+  m.w.scales_row_stride = gs ? groups : 1;
+  m.y = y.view();
+  const Status s = cpu::mixed_linear(m, builtin_executor());
+  CHECK(s.ok(), "mixed_linear: %s", s.message);
+  double worst = 0;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = 0, mag = 1;
+      for (int64_t k = 0; k < K; ++k) {
+        int v;
+        const uint8_t* row = q.data() + n * (row_bytes + 3);
+        if (bits == 8) {
+          v = int8_t(row[k]);
+        } else {
+          const int nib = (row[k / 2] >> (4 * (k & 1))) & 0xF;
+          v = nib >= 8 ? nib - 16 : nib;
+        }
+        const double w = double(v) * sc[size_t(n * (gs ? groups : 1) + (gs ? k / gs : 0))];
+        acc += w * x.get(i, k);
+        mag += std::fabs(w * x.get(i, k));
+      }
+      worst = std::max(worst, std::fabs(y.get(i, n) - acc) / mag);
+    }
+  CHECK(worst <= (t == DType::f32 ? 1e-5 : 1e-2),
+        "mixed_linear M %lld N %lld K %lld bits %d gs %lld: rel err %g", (long long)M,
+        (long long)N, (long long)K, bits, (long long)gs, worst);
+}
+
+void test_quantize_roundtrip(int bits, int64_t gs) {
+  const int64_t N = 9, K = 256;
+  std::vector<float> w(size_t(N * K));
+  for (auto& v : w) v = randn();
+  for (int64_t k = 0; k < K; ++k) w[size_t(k)] = 0.f;  // an all-zero row
+  const int64_t groups = gs ? K / gs : 1;
+  std::vector<uint8_t> q(size_t(N * K)), q2(size_t(N * K));
+  std::vector<float> sc(size_t(N * groups)), sc2(size_t(N * groups));
+  QuantizeArgs a;
+  a.w = ConstMatrix{w.data(), N, K, K, 1, DType::f32};
+  a.bits = bits;
+  a.group_size = gs;
+  a.qweight = q.data();
+  a.scales = sc.data();
+  Status s = cpu::quantize(a, builtin_executor());
+  CHECK(s.ok(), "quantize: %s", s.message);
+  CHECK(sc[0] == 0.f, "zero group must get scale 0");
+  // dequantise and quantise again: must reproduce q exactly
+  std::vector<float> deq(size_t(N * K));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      int v;
+      if (bits == 8) {
+        v = int8_t(q[size_t(n * K + k)]);
+      } else {
+        const int nib = (q[size_t(n * (K / 2) + k / 2)] >> (4 * (k & 1))) & 0xF;
+        v = nib >= 8 ? nib - 16 : nib;
+      }
+      deq[size_t(n * K + k)] = float(v) * sc[size_t(n * groups + (gs ? k / gs : 0))];
+    }
+  a.w.data = deq.data();
+  a.qweight = q2.data();
+  a.scales = sc2.data();
+  s = cpu::quantize(a, builtin_executor());
+  CHECK(s.ok() && q == q2, "quantize(dequant(q)) != q (bits %d, group %lld)", bits, (long long)gs);
+}
+
+void test_validation() {
+  float buf[64] = {};
+  GemmArgs g;
+  g.a = ConstMatrix{buf, 2, 3, 3, 1, DType::f32};
+  g.b = ConstMatrix{buf, 4, 2, 2, 1, DType::f32};
+  g.c = Matrix{buf, 2, 2, 2, 1, DType::f32};
+  Status s = validate_gemm(g);
+  CHECK(!s.ok() && std::strstr(s.message, "K"), "K mismatch not reported");
+  g.b.rows = 3;
+  CHECK(validate_gemm(g).ok(), "valid gemm rejected");
+  g.c.dtype = DType::bf16;
+  s = validate_gemm(g);
+  CHECK(!s.ok() && std::strstr(s.message, "dtype of c"), "dtype mismatch not reported");
+  MixedLinearArgs m;
+  m.x = ConstMatrix{buf, 1, 6, 6, 1, DType::f32};
+  m.y = Matrix{buf, 1, 2, 2, 1, DType::f32};
+  m.w = QuantizedWeight{buf, 2, 6, 6, 8, 4, buf, 1, DType::f32};
+  s = validate_mixed_linear(m);
+  CHECK(!s.ok() && std::strstr(s.message, "group_size"), "group_size not dividing K accepted");
+  m.w.group_size = 0;
+  m.w.bits = 3;
+  s = validate_mixed_linear(m);
+  CHECK(!s.ok() && std::strstr(s.message, "bits"), "bits = 3 accepted");
+  // Empty problems are valid and write nothing.
+  g = GemmArgs{};
+  g.a = ConstMatrix{nullptr, 0, 5, 5, 1, DType::f32};
+  g.b = ConstMatrix{nullptr, 5, 0, 0, 1, DType::f32};
+  g.c = Matrix{nullptr, 0, 0, 0, 1, DType::f32};
+  CHECK(cpu::gemm(g, builtin_executor()).ok(), "empty gemm rejected");
+  CHECK(!cuda::gemm(g, nullptr).ok() || has_cuda(), "cuda stub must fail without CUDA");
+}
+
+std::atomic<int64_t> g_sum{0};
+void add_range(void* nested, int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) g_sum += i;
+  if (nested) {  // a nested call must run inline and complete
+    const Executor& ex = builtin_executor();
+    ex.parallel_for(ex.self, 0, 10, 1, add_range, nullptr);
+  }
+}
+
+void test_executor() {
+  const Executor& ex = builtin_executor();
+  g_sum = 0;
+  ex.parallel_for(ex.self, 0, 1000, 7, add_range, nullptr);
+  CHECK(g_sum == 999 * 1000 / 2, "parallel_for sum %lld", (long long)g_sum.load());
+  g_sum = 0;
+  int dummy = 0;
+  ex.parallel_for(ex.self, 0, 100, 1, add_range, &dummy);
+  CHECK(g_sum > 99 * 100 / 2, "nested parallel_for did not run");
+  // Concurrent callers: each GEMM must still be right.
+  std::vector<std::thread> th;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 4; ++t)
+    th.emplace_back([&bad] {
+      std::vector<float> a(64 * 64, 1.f), b(64 * 64, 2.f), c(64 * 64, 0.f);
+      GemmArgs g;
+      g.a = ConstMatrix{a.data(), 64, 64, 64, 1, DType::f32};
+      g.b = ConstMatrix{b.data(), 64, 64, 64, 1, DType::f32};
+      g.c = Matrix{c.data(), 64, 64, 64, 1, DType::f32};
+      for (int it = 0; it < 50; ++it) {
+        std::fill(c.begin(), c.end(), 0.f);
+        cpu::gemm(g, builtin_executor());
+        for (float v : c)
+          if (v != 128.f) ++bad;
+      }
+    });
+  for (auto& t : th) t.join();
+  CHECK(bad == 0, "concurrent gemm produced %d wrong values", bad.load());
+  // After fork() the child must get a working pool of its own.
+  const pid_t pid = fork();
+  if (pid == 0) {
+    g_sum = 0;
+    builtin_executor().parallel_for(nullptr, 0, 1000, 1, add_range, nullptr);
+    _exit(g_sum == 999 * 1000 / 2 ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "parallel_for in a forked child failed");
+}
+
+}  // namespace
+
+int main() {
+  std::printf("isa: %s, threads: %d, %s\n", cpu::isa(), builtin_executor().num_threads(nullptr),
+              build_info());
+  const Activation acts[] = {Activation::none, Activation::relu, Activation::silu,
+                             Activation::gelu};
+  for (DType t : {DType::f32, DType::bf16}) {
+    const int64_t shapes[][3] = {{1, 1, 1}, {7, 13, 5}, {33, 65, 17}, {3, 40, 500},
+                                 {50, 70, 900}, {5, 3, 0}, {16, 128, 64}};
+    for (auto& sh : shapes)
+      for (int v = 0; v < 8; ++v)
+        test_gemm(sh[0], sh[1], sh[2], t, v & 1, v & 2, v & 4, v & 1, acts[v % 4]);
+    for (int bits : {8, 4})
+      for (int64_t gs : {0, 32, 64, 6})
+        for (int64_t M : {1, 5, 16, 40}) test_mixed(M, 23, 192, bits, gs, t);
+  }
+  for (int bits : {8, 4})
+    for (int64_t gs : {0, 32, 128}) test_quantize_roundtrip(bits, gs);
+  test_validation();
+  test_executor();
+  std::printf(g_failures ? "%d FAILURES\n" : "all passed\n", g_failures);
+  return g_failures ? 1 : 0;
+}
