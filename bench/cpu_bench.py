@@ -29,7 +29,7 @@ import portable_gemm as pg
 DENSE_SIZES = [256, 512, 1024, 2048, 4096]
 WEIGHT_SHAPES = [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (8192, 8192), (8192, 28672)]
 MS = [1, 2, 4, 8, 16, 32, 64, 256]
-LLC_BYTES = 128 * 2**20  # rotate weights over more than this (larger than any LLC here)
+LLC_BYTES = 128 * 2**20  # every implementation rotates its weights over more than this (> any LLC here)
 
 
 def timeit(fn, min_time: float = 0.3, reps: int = 5) -> tuple[float, float]:
@@ -80,10 +80,16 @@ def bench_dense(quick: bool) -> list[dict]:
     return rows
 
 
+def rotation(nbytes: int) -> int:
+    """Copies of a weight needed so that cycling through them streams from DRAM."""
+    return max(1, -(-LLC_BYTES // max(nbytes, 1)))
+
+
 def torch_int8(w: torch.Tensor):
-    """torch's own weight-only int8 path (per-channel) on the same weight."""
+    """torch's own weight-only int8 path (per-channel) on the same weight, rotated like ours."""
     q, s = pg.quantize_weight(w, bits=8)
-    return lambda x: torch._weight_int8pack_mm(x, q, s)
+    copies = [(q, s)] + [(q.clone(), s.clone()) for _ in range(rotation(q.numel()) - 1)]
+    return lambda x, i: torch._weight_int8pack_mm(x, *copies[i % len(copies)])
 
 
 def torch_int4(w: torch.Tensor, group: int):
@@ -96,7 +102,8 @@ def torch_int4(w: torch.Tensor, group: int):
         packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
         sz = torch.stack([scale.squeeze(-1), torch.zeros_like(scale.squeeze(-1))], -1)
         sz = sz.transpose(0, 1).contiguous().to(w.dtype)
-        return lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+        copies = [packed] + [packed.clone() for _ in range(rotation(packed.numel() * packed.element_size()) - 1)]
+        return lambda x, i: torch._weight_int4pack_mm_for_cpu(x, copies[i % len(copies)], group, sz)
     except (RuntimeError, AttributeError) as e:
         print(f"  (torch int4 CPU reference unavailable: {str(e)[:80]})")
         return None
@@ -108,18 +115,19 @@ def bench_weight_only(quick: bool, bw: float) -> list[dict]:
     ms = [1, 16, 256] if quick else MS
     for k, n in shapes:
         w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+        ws = [w] + [w.clone() for _ in range(rotation(w.numel() * 2) - 1)]
         for bits, group in ((8, None), (4, 128)):
             q, s = pg.quantize_weight(w, bits=bits, group_size=group)
             wbytes = q.numel() + s.numel() * s.element_size()
-            copies = max(1, -(-LLC_BYTES // wbytes))
+            copies = rotation(wbytes)
             qs = [(q, s)] + [(q.clone(), s.clone()) for _ in range(copies - 1)]
             ref = torch_int8(w) if bits == 8 else torch_int4(w, 128)
             for m in ms:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 t_ours, sp = timeit(lambda i: pg.mixed_linear(x, *qs[i % copies], bits=bits, group_size=group),
                                     min_time=0.2)
-                t_ref = timeit(lambda i: ref(x), min_time=0.2)[0] if ref else None
-                t_lin = timeit(lambda i: F.linear(x, w), min_time=0.2)[0] if m >= 64 or quick else None
+                t_ref = timeit(lambda i: ref(x, i), min_time=0.2)[0] if ref else None
+                t_lin = timeit(lambda i: F.linear(x, ws[i % len(ws)]), min_time=0.2)[0] if m >= 64 or quick else None
                 gbs = wbytes / t_ours / 1e9
                 rows.append({"K": k, "N": n, "M": m, "bits": bits, "group": group or 0,
                              "ours_ms": t_ours * 1e3, "spread_ms": sp * 1e3,
