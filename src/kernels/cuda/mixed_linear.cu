@@ -405,6 +405,20 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   return r;
 }
 
+// A scale's raw bits (f32, or f16/bf16 zero-extended), converted only where it is used: a
+// conversion next to the load would make the warp wait for it one chunk early (the scales
+// are read once, from DRAM, so that wait is a full memory latency per chunk).
+__device__ __forceinline__ uint32_t ldg_scale_bits(const void* base, int dt, int64_t i) {
+  if (dt == static_cast<int>(DType::f32)) return __ldg(static_cast<const unsigned int*>(base) + i);
+  return __ldg(static_cast<const unsigned short*>(base) + i);
+}
+__device__ __forceinline__ float scale_from_bits(uint32_t b, int dt) {
+  if (dt == static_cast<int>(DType::f16))
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  if (dt == static_cast<int>(DType::bf16)) return __uint_as_float(b << 16);
+  return __uint_as_float(b);
+}
+
 template <typename T>
 __device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b);
 template <>
@@ -476,7 +490,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // two register stages of x (64 registers) would spill: there x is loaded per chunk.
   constexpr bool XPF = !(BITS == 4 && MT == 2);
   uint4 wn[RT][2], xn[MT][XU];
-  float sn[RT][2];
+  uint32_t sn[RT][2];  // raw scale bits (mode 1, 2)
   auto load_x = [&](int64_t c, uint4 (&xd)[MT][XU]) {
     const int64_t k = c * CHUNK + tig * LK;
 #pragma unroll
@@ -493,16 +507,17 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   };
   auto load = [&](int64_t c) {
     const int64_t k = c * CHUNK + tig * LK;
+    const int64_t gi = p.mode == 0 ? 0 : div_nn(k, p.gs);  // once per chunk
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int64_t n = n0 + rt * 16 + h * 8 + g;
         wn[rt][h] = make_uint4(0u, 0u, 0u, 0u);
-        sn[rt][h] = 0.f;
+        sn[rt][h] = 0u;
         if (n < p.N) {
           wn[rt][h] = ldg_stream(p.q + n * p.q_rs + k * BITS / 8);
-          sn[rt][h] = p.mode == 0 ? 1.f : load_f32(p.scales, p.s_dt, n * p.s_rs + div_nn(k, p.gs));
+          if (p.mode != 0) sn[rt][h] = ldg_scale_bits(p.scales, p.s_dt, n * p.s_rs + gi);
         }
       }
     if constexpr (XPF) load_x(c, xn);
@@ -512,7 +527,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   if (c < nchunks) load(c);
   for (; c < nchunks; c += KW) {
     uint4 wc[RT][2], xc[MT][XU];
-    float sc[RT][2];
+    uint32_t sc[RT][2];
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
@@ -538,7 +553,14 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) part[mt][r] = 0.f;
-      const uint32_t s0 = pack2<T>(sc[rt][0], sc[rt][0]), s1 = pack2<T>(sc[rt][1], sc[rt][1]);
+      // Scales converted here, a chunk after their loads were issued (see ldg_scale_bits).
+      const float sf0 = p.mode == 0 ? 1.f : scale_from_bits(sc[rt][0], p.s_dt);
+      const float sf1 = p.mode == 0 ? 1.f : scale_from_bits(sc[rt][1], p.s_dt);
+      uint32_t s0 = 0u, s1 = 0u;
+      if (fold) {
+        s0 = pack2<T>(sf0, sf0);
+        s1 = pack2<T>(sf1, sf1);
+      }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t w0 = word_of(wc[rt][0], j), w1 = word_of(wc[rt][1], j);
@@ -584,7 +606,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
           }
         }
       }
-      const float f0 = p.mode == 1 ? sc[rt][0] : 1.f, f1 = p.mode == 1 ? sc[rt][1] : 1.f;
+      const float f0 = p.mode == 1 ? sf0 : 1.f, f1 = p.mode == 1 ? sf1 : 1.f;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         acc[rt][mt][0] = fmaf(f0, part[mt][0], acc[rt][mt][0]);
