@@ -306,6 +306,11 @@ int main() {
       for (int64_t gs : {0, 32, 64, 6})
         for (int64_t M : {1, 5, 16, 40}) test_mixed(M, 23, 192, bits, gs, t);
   }
+  // bf16 x with K a multiple of 32: the AMX path where the CPU has it (several k blocks,
+  // a partial one, channels not a multiple of 32, rows of x over several tile pairs).
+  for (int bits : {8, 4})
+    for (int64_t gs : {0, 32, 128})
+      for (int64_t M : {1, 16, 17, 40, 70}) test_mixed(M, 100, 640, bits, gs, DType::bf16);
   for (int bits : {8, 4})
     for (int64_t gs : {0, 32, 128}) test_quantize_roundtrip(bits, gs);
   test_validation();

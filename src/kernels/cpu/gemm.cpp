@@ -83,7 +83,7 @@ struct ScratchSlot {
   std::unique_ptr<float[], AlignedFree> ptr;
   size_t size = 0;
 };
-constexpr int kScratchSlots = 6;
+constexpr int kScratchSlots = 8;  // 6, 7: mixed_linear AMX buffers
 thread_local ScratchSlot t_scratch[kScratchSlots];
 }  // namespace
 

@@ -11,12 +11,16 @@
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "cpu/common.h"
 
 #if PG_X86
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace portable_gemm {
@@ -25,6 +29,9 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kSmallM = 32;  // above this, the dense path wins
+// bf16 x on AMX from this M up: below it the weight dequantisation (per weight, not per
+// row of x) costs more than the AVX-512 FMA path, which is bandwidth-bound up to M ~ 4.
+constexpr int64_t kAmxMinM = 5;
 
 inline float scale_at(const QuantizedWeight& w, int64_t n, int64_t g) {
   return load_f32(w.scales, n * w.scales_row_stride + g, w.scales_dtype);
@@ -367,6 +374,263 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   return !job.failed.load();
 }
 
+// ---- AMX path (bf16 activations) ---------------------------------------------------
+//
+// y^T = W x^T on the tile unit: the A operand is the weight (16 output channels x 32 k,
+// dequantised in registers to bf16, stored row-major into a small L1 buffer: no
+// transpose needed), the B operand is x^T in the VNNI pair layout (packed once per
+// call), the fp32 accumulators are [16 channels x 16 rows of x]. bf16 x is used as is,
+// so this changes no rounding of x; int8 and int4 values are exact in bf16. Per-channel
+// scales are applied to the fp32 results; group scales are folded into the weights
+// before their rounding to bf16 (relative error 2^-9 per weight, far inside the bf16
+// output tolerance). Only taken for bf16 x (f16 / f32 x would lose precision).
+
+#if PG_X86
+#define PG_TARGET_AMX                                                                    \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
+                        "fma,f16c")))
+
+bool amx_supported() {
+  static const bool ok = [] {
+    if (active_isa() != Isa::avx512) return false;
+    if (const char* env = std::getenv("PORTABLE_GEMM_ISA"))
+      if (std::strcmp(env, "amx") != 0) return false;  // a forced lower path
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // amx-bf16, amx-tile
+    unsigned a1, b1, c1, d1;
+    if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !((a1 >> 5) & 1))
+      return false;  // avx512-bf16 (cvtne2ps2bf16)
+    // Linux: ask for the XTILEDATA state (ARCH_REQ_XCOMP_PERM, feature 18) once.
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return false;
+    return true;
+  }();
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+
+PG_TARGET_AMX void amx_load_config(const TileConfig* cfg) { _tile_loadconfig(cfg); }
+PG_TARGET_AMX void amx_release() { _tile_release(); }
+
+constexpr int64_t kAmxKc = 256;  // k per dequantised block (32 channels: 16 KB of bf16)
+
+struct AmxJob {
+  const MixedLinearArgs* args;
+  const uint16_t* xp;  // [K / 2][mpad][2] bf16 (int4: k permuted per 32-block)
+  int64_t mpad;        // rows of x padded to 16 (to 32 when > 16)
+  int64_t m, n, k;
+  bool scale_in_weight;  // group scales: folded into the bf16 weights
+  Epilogue ep;
+  mutable std::atomic<bool> failed{false};
+};
+
+// abuf[kstep][2][16][32]: rows r < 32 of channels nb + r, k in [k0, k0 + kc); channels
+// at or past nend are zero.
+PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int64_t k0,
+                               int64_t kc, uint16_t* abuf) {
+  const QuantizedWeight& w = job.args->w;
+  const bool gscale = job.scale_in_weight;
+  const int64_t gs = w.group_size;
+  for (int r = 0; r < 32; ++r) {
+    const int64_t n = nb + r;
+    uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
+    if (n >= nend) {
+      for (int64_t s = 0; s < kc / 32; ++s)
+        _mm512_storeu_si512(dst + s * 1024, _mm512_setzero_si512());
+      continue;
+    }
+    const uint8_t* q = static_cast<const uint8_t*>(w.data) + n * w.row_stride;
+    __m512 sv = _mm512_set1_ps(1.f);
+    int64_t gcur = -1;
+    for (int64_t s = 0; s < kc / 32; ++s) {
+      const int64_t k = k0 + s * 32;
+      if (gscale && k / gs != gcur) {
+        gcur = k / gs;
+        sv = _mm512_set1_ps(scale_at(w, n, gcur));
+      }
+      __m512 f0, f1;
+      if (w.bits == 8) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
+        f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+        f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+      } else {
+        const __m512i v = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2)));
+        f0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28));
+        f1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 4));
+      }
+      if (gscale) {
+        f0 = _mm512_mul_ps(f0, sv);
+        f1 = _mm512_mul_ps(f1, sv);
+      }
+      _mm512_storeu_si512(dst + s * 1024, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+    }
+  }
+}
+
+// Channels [n0, n1) of the thread, all rows of x: writes res[m * ldr + (n - n0)].
+template <int MT>
+PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* res,
+                            int64_t ldr) {
+  const QuantizedWeight& w = job.args->w;
+  const int64_t K = job.k;
+  const int64_t mpairs = job.mpad / (16 * MT);
+  const int64_t bstride = job.mpad * 4;  // bytes per k-pair row of xp
+  uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(6, size_t(kAmxKc / 32 * 1024 / 2)));
+  float* cbuf = scratch(7, size_t(mpairs * 4 * 256));
+  alignas(64) float ctile[4][256];
+  for (int64_t nb = n0; nb < n1; nb += 32) {
+    for (int64_t k0 = 0; k0 < K; k0 += kAmxKc) {
+      const int64_t kc = std::min(kAmxKc, K - k0);
+      amx_dequant(job, nb, n1, k0, kc, abuf);
+      for (int64_t mp = 0; mp < mpairs; ++mp) {
+        float* cb = cbuf + mp * 4 * 256;
+        if (k0 == 0) {
+          _tile_zero(0); _tile_zero(1);
+          if (MT == 2) { _tile_zero(2); _tile_zero(3); }
+        } else if (mpairs > 1) {
+          _tile_loadd(0, cb, 64); _tile_loadd(1, cb + 256, 64);
+          if (MT == 2) { _tile_loadd(2, cb + 512, 64); _tile_loadd(3, cb + 768, 64); }
+        }
+        const char* xb = reinterpret_cast<const char*>(job.xp + mp * MT * 32) +
+                         (k0 / 2) * bstride;
+        for (int64_t s = 0; s < kc / 32; ++s) {
+          const uint16_t* a = abuf + s * 1024;
+          const char* b = xb + s * 16 * bstride;
+          _tile_loadd(4, a, 64);
+          _tile_loadd(5, a + 512, 64);
+          _tile_loadd(6, b, bstride);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          if (MT == 2) {
+            _tile_loadd(7, b + 64, bstride);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        if (mpairs > 1 && k0 + kAmxKc < K) {
+          _tile_stored(0, cb, 64); _tile_stored(1, cb + 256, 64);
+          if (MT == 2) { _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64); }
+        }
+        if (k0 + kAmxKc >= K) {  // last block: results out, transposed and scaled
+          _tile_stored(0, ctile[0], 64); _tile_stored(1, ctile[1], 64);
+          if (MT == 2) { _tile_stored(2, ctile[2], 64); _tile_stored(3, ctile[3], 64); }
+          for (int t = 0; t < 2 * MT; ++t) {
+            const int64_t nbase = nb + (t & 1) * 16;
+            const int64_t mbase = mp * MT * 16 + (t >> 1) * 16;
+            for (int i = 0; i < 16 && nbase + i < n1; ++i) {
+              const float s = job.scale_in_weight ? 1.f : scale_at(w, nbase + i, 0);
+              for (int j = 0; j < 16 && mbase + j < job.m; ++j)
+                res[(mbase + j) * ldr + (nbase + i - n0)] = ctile[t][i * 16 + j] * s;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+void amx_task(void* ctx, int64_t n0, int64_t n1) {
+  const AmxJob& job = *static_cast<const AmxJob*>(ctx);
+  guarded(job.failed, [&] {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    amx_load_config(&cfg);
+    const int64_t cols = n1 - n0;
+    float* res = scratch(0, size_t(job.m * cols));
+    if (job.mpad > 16)
+      amx_rows<2>(job, n0, n1, res, cols);
+    else
+      amx_rows<1>(job, n0, n1, res, cols);
+    amx_release();
+    job.ep.store(res, cols, 0, job.m, n0, cols);
+  });
+}
+
+// Logical k of position p (< 32) of a 32-block of the int4 A rows (even k, then odd k).
+inline int64_t int4_pos_to_k(int64_t p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
+
+struct XPackJob {
+  const MixedLinearArgs* args;
+  uint16_t* xp;
+  int64_t mpad, m;
+  bool int4;
+};
+
+void xpack_task(void* ctx, int64_t p0, int64_t p1) {  // k-pairs [p0, p1)
+  const XPackJob& j = *static_cast<const XPackJob*>(ctx);
+  const ConstMatrix& x = j.args->x;
+  const uint16_t* xs = static_cast<const uint16_t*>(x.data);
+  for (int64_t p = p0; p < p1; ++p) {
+    uint16_t* row = j.xp + p * j.mpad * 2;
+    int64_t ka = 2 * p, kb = 2 * p + 1;
+    if (j.int4) {
+      const int64_t base = ka / 32 * 32;
+      ka = base + int4_pos_to_k(ka - base);
+      kb = base + int4_pos_to_k(kb - base);
+    }
+    for (int64_t m = 0; m < j.m; ++m) {
+      row[2 * m] = xs[m * x.row_stride + ka * x.col_stride];
+      row[2 * m + 1] = xs[m * x.row_stride + kb * x.col_stride];
+    }
+    for (int64_t m = j.m; m < j.mpad; ++m) row[2 * m] = row[2 * m + 1] = 0;
+  }
+}
+
+bool amx_usable(const MixedLinearArgs& args) {
+  const QuantizedWeight& w = args.w;
+  if (args.x.dtype != DType::bf16 || w.k % 32 != 0 || w.k == 0) return false;
+  if (w.group_size != 0 && w.group_size % 32 != 0) return false;
+  return amx_supported();
+}
+
+bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
+  const int64_t M = args.x.rows, N = args.w.n, K = args.w.k;
+  AmxJob job;
+  job.args = &args;
+  job.m = M;
+  job.n = N;
+  job.k = K;
+  job.mpad = M <= 16 ? 16 : (M + 31) / 32 * 32;
+  job.scale_in_weight = args.w.group_size != 0 && args.w.group_size < K;
+  job.ep.act = args.activation;
+  job.ep.c = args.y;
+  if (args.bias != nullptr) {
+    float* b = scratch(3, size_t(N));
+    convert_to_f32(args.bias, args.bias_stride, args.y.dtype, N, b);
+    job.ep.bias = b;
+  }
+  uint16_t* xp = reinterpret_cast<uint16_t*>(scratch(2, size_t(K / 2 * job.mpad)));
+  XPackJob pj{&args, xp, job.mpad, M, args.w.bits == 4};
+  const int64_t threads = executor_threads(exec);
+  if (threads > 1 && M * K >= (1 << 18))
+    exec.parallel_for(exec.self, 0, K / 2, (K / 2 + threads - 1) / threads, xpack_task, &pj);
+  else
+    xpack_task(&pj, 0, K / 2);
+  job.xp = xp;
+  if (threads > 1 && N * K * (M + 1) >= (1 << 20)) {
+    const int64_t per = (N + threads - 1) / threads;
+    exec.parallel_for(exec.self, 0, N, std::max<int64_t>(32, (per + 31) / 32 * 32), amx_task,
+                      &job);
+  } else {
+    amx_task(&job, 0, N);
+  }
+  return !job.failed.load();
+}
+#endif
+
 }  // namespace
 
 Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
@@ -376,6 +640,11 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
   if (M == 0 || N == 0) return st;
   bool ok = false;
   try {
+#if PG_X86
+    if (K > 0 && M >= kAmxMinM && amx_usable(args)) {
+      ok = amx_linear(args, exec);
+    } else
+#endif
     if (M <= kSmallM || K == 0) {
       ok = small_m(args, exec);
     } else {
