@@ -154,7 +154,11 @@ PG_API Status mixed_linear(const MixedLinearArgs& args, void* stream);
 PG_API Status quantize(const QuantizeArgs& args, void* stream);
 // cudaGetErrorString of the library's own runtime (static cudart).
 PG_API const char* error_string(int32_t code);
-// Device-side scratch the kernels may need: none today; kept for ABI growth.
+// For callers without an allocator of their own (the DLPack door): device memory on
+// `device`, and making `device` current (previous one returned, to restore it after).
+PG_API Status device_alloc(void** ptr, size_t bytes, int32_t device);
+PG_API void device_free(void* ptr, int32_t device);
+PG_API Status set_device(int32_t device, int32_t* previous);
 }  // namespace cuda
 
 }  // namespace portable_gemm

@@ -1,7 +1,8 @@
 // portable_gemm._dlpack: gemm / quantize_weight / mixed_linear for any array that speaks
-// DLPack or the buffer protocol (NumPy on the CPU), without torch. Same kernel library,
-// same validation; threads from the library's own pool. CPU arrays only for now: CUDA
-// arrays are refused with a clear error (outputs would need a device allocator here).
+// DLPack or the buffer protocol (NumPy on the CPU; CuPy, JAX or torch on CUDA), without
+// torch. Same kernel library, same validation; CPU threads from the library's own pool; on
+// CUDA the work is enqueued on the `stream` argument (default 0: the legacy default stream)
+// and outputs are allocated on the inputs' device.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -19,7 +20,34 @@ namespace pg = portable_gemm;
 
 namespace {
 
-using Array = nb::ndarray<nb::ro, nb::device::cpu>;
+using Array = nb::ndarray<nb::ro>;
+
+// Where the operands live: all of one call must agree.
+struct Where {
+  bool cuda = false;
+  int32_t device = 0;
+  bool operator==(const Where& o) const { return cuda == o.cuda && (!cuda || device == o.device); }
+  std::string str() const { return cuda ? "cuda:" + std::to_string(device) : std::string("cpu"); }
+};
+
+Where where_of(const Array& a, const char* name) {
+  if (a.device_type() == nb::device::cpu::value) return {};
+  if (a.device_type() == nb::device::cuda::value) return {true, static_cast<int32_t>(a.device_id())};
+  throw nb::type_error((std::string(name) + " lives on a device this door does not support (CPU and CUDA only)").c_str());
+}
+
+Where same_place(std::initializer_list<std::pair<const Array*, const char*>> arrays) {
+  const auto& first = *arrays.begin();
+  const Where w = where_of(*first.first, first.second);
+  for (const auto& [a, name] : arrays) {
+    if (!a) continue;
+    const Where o = where_of(*a, name);
+    if (!(o == w))
+      throw nb::value_error((std::string(name) + " is on " + o.str() + " but " + first.second + " is on " + w.str() +
+                             "; move all arrays to one device").c_str());
+  }
+  return w;
+}
 
 const char* dtype_label(nb::dlpack::dtype t) {
   if (t == nb::dtype<float>()) return "float32";
@@ -73,47 +101,94 @@ nb::dlpack::dtype dl_dtype(pg::DType t, bool bf16_bits) {
   }
 }
 
-// A fresh, owned, C-contiguous host array of the input's framework (NumPy for NumPy).
+// A fresh, owned, C-contiguous array on the operands' device, of the input's framework.
 struct Output {
   void* data = nullptr;
   size_t shape[2] = {0, 0};
   size_t ndim = 2;
   pg::DType dtype;
-  Output(std::initializer_list<size_t> dims, pg::DType t) : dtype(t) {
+  Where where;
+  Output(std::initializer_list<size_t> dims, pg::DType t, Where w) : dtype(t), where(w) {
     ndim = dims.size();
     size_t n = 1, i = 0;
     for (size_t d : dims) n *= (shape[i++] = d);
-    data = std::aligned_alloc(64, ((n * elem_size(t) + 63) / 64) * 64 + 64);
-    if (!data) throw std::bad_alloc();
+    const size_t bytes = ((n * elem_size(t) + 63) / 64) * 64 + 64;
+    if (w.cuda) {
+      const pg::Status s = pg::cuda::device_alloc(&data, bytes, w.device);
+      if (!s.ok()) throw nb::value_error((std::string("CUDA allocation failed: ") + s.message).c_str());
+    } else {
+      data = std::aligned_alloc(64, bytes);
+      if (!data) throw std::bad_alloc();
+    }
+  }
+  static void release(void* p, const Where& w) noexcept {
+    if (!p) return;
+    if (w.cuda) pg::cuda::device_free(p, w.device);
+    else std::free(p);
   }
   nb::object to_python(nb::handle like, bool bf16_bits) {
-    nb::capsule owner(data, [](void* p) noexcept { std::free(p); });
+    nb::capsule owner;
+    if (where.cuda) {
+      // the capsule's deleter gets only the pointer: remember the device beside it
+      struct Block { void* p; int32_t device; };
+      auto* b = new Block{data, where.device};
+      owner = nb::capsule(b, [](void* q) noexcept {
+        auto* blk = static_cast<Block*>(q);
+        pg::cuda::device_free(blk->p, blk->device);
+        delete blk;
+      });
+    } else {
+      owner = nb::capsule(data, [](void* p) noexcept { std::free(p); });
+    }
+    void* ptr = data;
     data = nullptr;
     const auto dt = dl_dtype(dtype, bf16_bits);
-    nb::ndarray<> arr(owner.data(), ndim, shape, owner, nullptr, dt, nb::device::cpu::value);
+    nb::ndarray<> arr(ptr, ndim, shape, owner, nullptr, dt,
+                      where.cuda ? nb::device::cuda::value : nb::device::cpu::value, where.device);
     std::string mod = nb::borrow<nb::str>(nb::handle(like.type()).attr("__module__")).c_str();
     if (mod.rfind("torch", 0) == 0) return nb::cast(nb::ndarray<nb::pytorch>(arr));
     if (mod.rfind("jax", 0) == 0) return nb::cast(nb::ndarray<nb::jax>(arr));
+    if (mod.rfind("cupy", 0) == 0) return nb::cast(nb::ndarray<nb::cupy>(arr));
+    if (where.cuda) return nb::cast(arr);  // any DLPack consumer can take it
     return nb::cast(nb::ndarray<nb::numpy>(arr));
   }
-  ~Output() { std::free(data); }
+  ~Output() { release(data, where); }
 };
+
+// Runs the kernel where the operands live: the CPU pool, or `stream` on their CUDA device.
+template <class Args>
+void run(const Args& args, const Where& w, uintptr_t stream, pg::Status (*cpu_fn)(const Args&, const pg::Executor&),
+         pg::Status (*cuda_fn)(const Args&, void*)) {
+  pg::Status s;
+  {
+    nb::gil_scoped_release release;
+    if (w.cuda) {
+      int32_t previous = 0;
+      s = pg::cuda::set_device(w.device, &previous);
+      if (s.ok()) s = cuda_fn(args, reinterpret_cast<void*>(stream));
+      pg::cuda::set_device(previous, nullptr);
+    } else {
+      s = cpu_fn(args, pg::builtin_executor());
+    }
+  }
+  if (!s.ok()) throw nb::value_error(s.message ? s.message : "kernel failed");
+}
 
 Array as_array(nb::handle h, const char* name) {
   Array a;
   if (!nb::try_cast<Array>(h, a))
-    throw nb::type_error((std::string(name) + " must be a CPU array (NumPy, or any object with __dlpack__ on "
-                          "the CPU); CUDA arrays are not supported by the DLPack door yet, got " +
-                          nb::inst_name(h).c_str()).c_str());
+    throw nb::type_error((std::string(name) + " must be an array (NumPy, or any object with __dlpack__ on the "
+                          "CPU or a CUDA device), got " + nb::inst_name(h).c_str()).c_str());
   return a;
 }
 
-void check(const pg::Status& s) {
+void check(const pg::Status& s) {  // validation results
   if (!s.ok()) throw nb::value_error(s.message ? s.message : "invalid arguments");
 }
 
 nb::object gemm(nb::handle a_obj, const Array& a, const Array& b, std::optional<Array> bias,
-                const std::string& act, bool bf16_bits) {
+                const std::string& act, bool bf16_bits, uintptr_t stream) {
+  const Where w = same_place({{&a, "a"}, {&b, "b"}, {bias ? &*bias : nullptr, "bias"}});
   pg::GemmArgs args;
   const pg::DType dt = float_dtype(a, "a", bf16_bits);
   args.a = matrix(a, "a", dt);
@@ -126,13 +201,10 @@ nb::object gemm(nb::handle a_obj, const Array& a, const Array& b, std::optional<
     args.bias_stride = bias->stride(0);
   }
   args.activation = activation(act);
-  Output out({(size_t)args.a.rows, (size_t)args.b.cols}, dt);
+  Output out({(size_t)args.a.rows, (size_t)args.b.cols}, dt, w);
   args.c = pg::Matrix{out.data, args.a.rows, args.b.cols, std::max<int64_t>(args.b.cols, 1), 1, dt};
   check(pg::validate_gemm(args));
-  {
-    nb::gil_scoped_release release;
-    check(pg::cpu::gemm(args, pg::builtin_executor()));
-  }
+  run(args, w, stream, &pg::cpu::gemm, &pg::cuda::gemm);
   return out.to_python(a_obj, bf16_bits);
 }
 
@@ -143,7 +215,8 @@ int64_t group_code(std::optional<int64_t> g) {
 }
 
 nb::tuple quantize_weight(nb::handle w_obj, const Array& w, int bits, std::optional<int64_t> group_size,
-                          bool bf16_bits) {
+                          bool bf16_bits, uintptr_t stream) {
+  const Where where = same_place({{&w, "weight"}});
   pg::QuantizeArgs args;
   const pg::DType dt = float_dtype(w, "weight", bf16_bits);
   args.w = matrix(w, "weight", dt);
@@ -153,23 +226,21 @@ nb::tuple quantize_weight(nb::handle w_obj, const Array& w, int bits, std::optio
   const size_t n = args.w.rows, k = args.w.cols;
   if (args.group_size && k % args.group_size) throw nb::value_error("group_size must divide K");
   if (bits == 4 && k % 2) throw nb::value_error("int4 needs an even K");
-  Output q({n, bits == 8 ? k : k / 2}, bits == 8 ? pg::DType::i8 : pg::DType::u8);
-  Output s = args.group_size ? Output({n, k / args.group_size}, dt) : Output({n}, dt);
+  Output q({n, bits == 8 ? k : k / 2}, bits == 8 ? pg::DType::i8 : pg::DType::u8, where);
+  Output s = args.group_size ? Output({n, k / args.group_size}, dt, where) : Output({n}, dt, where);
   args.qweight = q.data;
   args.scales = s.data;
   args.scales_dtype = dt;
   check(pg::validate_quantize(args));
-  {
-    nb::gil_scoped_release release;
-    check(pg::cpu::quantize(args, pg::builtin_executor()));
-  }
+  run(args, where, stream, &pg::cpu::quantize, &pg::cuda::quantize);
   nb::object qo = q.to_python(w_obj, bf16_bits);
   return nb::make_tuple(qo, s.to_python(w_obj, bf16_bits));
 }
 
 nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, const Array& scales, int bits,
                         std::optional<int64_t> group_size, std::optional<Array> bias, const std::string& act,
-                        bool bf16_bits) {
+                        bool bf16_bits, uintptr_t stream) {
+  const Where w = same_place({{&x, "x"}, {&qweight, "qweight"}, {&scales, "scales"}, {bias ? &*bias : nullptr, "bias"}});
   pg::MixedLinearArgs args;
   const pg::DType dt = float_dtype(x, "x", bf16_bits);
   args.x = matrix(x, "x", dt);
@@ -202,47 +273,45 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
     args.bias_stride = bias->stride(0);
   }
   args.activation = activation(act);
-  Output out({(size_t)args.x.rows, (size_t)args.w.n}, dt);
+  Output out({(size_t)args.x.rows, (size_t)args.w.n}, dt, w);
   args.y = pg::Matrix{out.data, args.x.rows, args.w.n, std::max<int64_t>(args.w.n, 1), 1, dt};
   check(pg::validate_mixed_linear(args));
-  {
-    nb::gil_scoped_release release;
-    check(pg::cpu::mixed_linear(args, pg::builtin_executor()));
-  }
+  run(args, w, stream, &pg::cpu::mixed_linear, &pg::cuda::mixed_linear);
   return out.to_python(x_obj, bf16_bits);
 }
 
 }  // namespace
 
 NB_MODULE(_dlpack, m) {
-  m.doc() = "Torch-free door to the portable_gemm kernels (CPU arrays via DLPack / buffer protocol).";
+  m.doc() = "Torch-free door to the portable_gemm kernels (CPU and CUDA arrays via DLPack / buffer protocol).";
+  m.def("has_cuda", [] { return pg::has_cuda(); });
   m.def("gemm",
         [](nb::handle a_obj, nb::handle b_obj, std::optional<nb::handle> bias_obj, const std::string& act,
-           bool bf16_bits) {
+           bool bf16_bits, uintptr_t stream) {
           Array a = as_array(a_obj, "a"), b = as_array(b_obj, "b");
           std::optional<Array> bias;
           if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
-          return gemm(a_obj, a, b, bias, act, bf16_bits);
+          return gemm(a_obj, a, b, bias, act, bf16_bits, stream);
         },
         nb::arg("a"), nb::arg("b"), nb::arg("bias").none() = nb::none(), nb::arg("activation") = "none",
-        nb::arg("bf16_bits") = false);
+        nb::arg("bf16_bits") = false, nb::arg("stream") = 0);
   m.def("quantize_weight",
-        [](nb::handle w_obj, int bits, std::optional<int64_t> group_size, bool bf16_bits) {
-          return quantize_weight(w_obj, as_array(w_obj, "weight"), bits, group_size, bf16_bits);
+        [](nb::handle w_obj, int bits, std::optional<int64_t> group_size, bool bf16_bits, uintptr_t stream) {
+          return quantize_weight(w_obj, as_array(w_obj, "weight"), bits, group_size, bf16_bits, stream);
         },
         nb::arg("weight"), nb::arg("bits"), nb::arg("group_size").none() = nb::none(),
-        nb::arg("bf16_bits") = false);
+        nb::arg("bf16_bits") = false, nb::arg("stream") = 0);
   m.def("mixed_linear",
         [](nb::handle x_obj, nb::handle q_obj, nb::handle s_obj, int bits, std::optional<int64_t> group_size,
-           std::optional<nb::handle> bias_obj, const std::string& act, bool bf16_bits) {
+           std::optional<nb::handle> bias_obj, const std::string& act, bool bf16_bits, uintptr_t stream) {
           std::optional<Array> bias;
           if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
           return mixed_linear(x_obj, as_array(x_obj, "x"), as_array(q_obj, "qweight"), as_array(s_obj, "scales"), bits,
-                              group_size, bias, act, bf16_bits);
+                              group_size, bias, act, bf16_bits, stream);
         },
         nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("bits"),
         nb::arg("group_size").none() = nb::none(), nb::arg("bias").none() = nb::none(),
-        nb::arg("activation") = "none", nb::arg("bf16_bits") = false);
+        nb::arg("activation") = "none", nb::arg("bf16_bits") = false, nb::arg("stream") = 0);
   m.def("build_info", [] { return std::string(pg::build_info()); });
   m.def("cpu_isa", [] { return std::string(pg::cpu::isa()); });
 }

@@ -10,6 +10,31 @@ const char* error_string(int32_t code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
+Status device_alloc(void** ptr, size_t bytes, int32_t device) {
+  int32_t previous = 0;
+  Status s = set_device(device, &previous);
+  if (!s.ok()) return s;
+  const cudaError_t e = cudaMalloc(ptr, bytes > 0 ? bytes : 1);
+  cudaSetDevice(previous);
+  return detail::status_from(e);
+}
+
+void device_free(void* ptr, int32_t device) {
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) return;
+  cudaSetDevice(device);
+  cudaFree(ptr);
+  cudaSetDevice(previous);
+}
+
+Status set_device(int32_t device, int32_t* previous) {
+  int prev = 0;
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e == cudaSuccess) e = cudaSetDevice(device);
+  if (previous) *previous = prev;
+  return detail::status_from(e);
+}
+
 namespace detail {
 
 Status status_from(cudaError_t e) {

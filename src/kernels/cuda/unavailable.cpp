@@ -14,6 +14,9 @@ Status unavailable() { return Status{1, kNoCuda}; }
 Status gemm(const GemmArgs&, void*) { return unavailable(); }
 Status mixed_linear(const MixedLinearArgs&, void*) { return unavailable(); }
 Status quantize(const QuantizeArgs&, void*) { return unavailable(); }
+Status device_alloc(void**, size_t, int32_t) { return unavailable(); }
+void device_free(void*, int32_t) {}
+Status set_device(int32_t, int32_t*) { return unavailable(); }
 const char* error_string(int32_t) {
   return "no CUDA runtime: portable_gemm was built without CUDA kernels";
 }
