@@ -9,8 +9,10 @@ be, and registers the ops under this copy's namespace.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from ._variant import Candidate, Selection, select_variant
 
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 ENV_TARGET = "PORTABLE_GEMM_TARGET"
+REINSTALL = "reinstall the wheel (pip install --force-reinstall portable-gemm)"
 
 
 @dataclass
@@ -44,25 +47,55 @@ def read_manifest(lib_dir: Path = LIB_DIR) -> dict:
             manifest = json.load(f)
     except FileNotFoundError:
         raise ImportError(f"portable_gemm: {path} is missing; the installation is incomplete "
-                          "(reinstall the wheel)") from None
+                          f"({REINSTALL})") from None
     except (OSError, ValueError) as e:
-        raise ImportError(f"portable_gemm: cannot read {path}: {e} (reinstall the wheel)") from None
-    if not isinstance(manifest.get("binaries"), list):
-        raise ImportError(f"portable_gemm: {path} lists no binaries (reinstall the wheel)")
+        raise ImportError(f"portable_gemm: cannot read {path}: {e} ({REINSTALL})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("binaries"), list):
+        raise ImportError(f"portable_gemm: {path} lists no binaries ({REINSTALL})")
     return manifest
+
+
+def check_library_file(path: Path, sha256: str | None = None) -> None:
+    """Refuse a damaged shared object before dlopen sees it: dlopen maps segments past the
+    end of a truncated file and the first touch kills the process with SIGBUS. Checks that
+    the ELF header, program headers and every PT_LOAD segment lie inside the file, and the
+    sha256 when the manifest gives one (bindings are small; hashing them costs < 1 ms)."""
+    if not path.is_file():
+        raise OSError(f"{path.name} is missing from {path.parent}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            raise OSError(f"{path.name} is not a 64-bit little-endian ELF shared object (damaged?)")
+        phoff, = struct.unpack_from("<Q", head, 32)
+        phentsize, phnum = struct.unpack_from("<HH", head, 54)
+        if phoff + phentsize * phnum > size:
+            raise OSError(f"{path.name} is truncated ({size} bytes; its program headers end beyond that)")
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        p_type, _, p_offset = struct.unpack_from("<IIQ", table, i * phentsize)
+        p_filesz, = struct.unpack_from("<Q", table, i * phentsize + 32)
+        if p_type == 1 and p_offset + p_filesz > size:  # PT_LOAD
+            raise OSError(f"{path.name} is truncated ({size} bytes; a segment ends at {p_offset + p_filesz})")
+    if sha256:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest != sha256:
+            raise OSError(f"{path.name} differs from the build manifest (sha256 {digest[:12]}… != "
+                          f"{sha256[:12]}…): damaged or replaced")
 
 
 def _bindings(manifest: dict, device: str) -> dict[str, dict]:
     return {b["target"]: b for b in manifest["binaries"]
-            if b.get("kind") == "binding" and b.get("device") == device}
+            if isinstance(b, dict) and b.get("kind") == "binding" and b.get("device") == device
+            and isinstance(b.get("target"), str)}
 
 
 class _Binding:
     """One dlopen'ed binding library and its C entry points."""
 
-    def __init__(self, path: Path):
-        if not path.is_file():
-            raise OSError(f"{path.name} is missing from {path.parent}")
+    def __init__(self, path: Path, sha256: str | None = None):
+        check_library_file(path, sha256)
         self.path = path
         self.lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
         try:
@@ -83,7 +116,9 @@ class _Binding:
 
 
 def _load_binding(entry: dict, lib_dir: Path, expect_target: str, namespace: str) -> _Binding:
-    binding = _Binding(lib_dir / entry["file"])
+    if not isinstance(entry.get("file"), str):
+        raise OSError(f"the manifest's entry for target {expect_target} names no file")
+    binding = _Binding(lib_dir / entry["file"], entry.get("sha256"))
     got = binding.info.get("target")
     if got != expect_target:
         raise OSError(f"{entry['file']} reports target {got}, but the manifest says {expect_target}")
@@ -101,6 +136,11 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
         raise ImportError(f"portable_gemm: {selection.error}\ncandidates:\n{selection.explain()}")
 
     state = LoadState(namespace, torch.__version__, selection, manifest=manifest)
+    kernels = lib_dir / "libportable_gemm_kernels.so"
+    try:
+        check_library_file(kernels)
+    except OSError as e:
+        raise ImportError(f"portable_gemm: the kernel library cannot be used: {e} ({REINSTALL})") from None
     # The selected target first; if its binary cannot load, fall back to older eligible
     # ones (never when a target was forced: the user asked for that one).
     order = [c for c in selection.candidates if c.status == "selected"]
@@ -128,10 +168,10 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
             state.candidates.append(c)
     if binding is None:
         lines = "\n".join(f"  {c.target}: {c.status} - {c.reason}" for c in state.candidates)
-        raise ImportError(f"portable_gemm: no binding could be loaded for torch {torch.__version__}"
-                          f"\ncandidates:\n{lines}")
+        raise ImportError(f"portable_gemm: no binding could be loaded for torch {torch.__version__}; "
+                          f"{REINSTALL}\ncandidates:\n{lines}")
 
-    state.libraries["kernels"] = str(lib_dir / "libportable_gemm_kernels.so")
+    state.libraries["kernels"] = str(kernels)
     state.libraries["cpu"] = str(binding.path)
     target_features = next((t["features"] for t in manifest.get("matrix_targets", [])
                             if t["version"] == state.target), {})

@@ -62,12 +62,14 @@ def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path
 
 
 def _verify_copy(src: Path, dst: Path) -> None:
-    """Every binary the manifest lists was copied whole. (The manifest's sha256 are those of
-    the build outputs; `auditwheel repair` rewrites binaries, so they are not compared here.)"""
+    """Every binary the manifest lists matches its build sha256 (a damaged installation is not
+    copied onward) and was copied whole."""
     manifest = json.loads((src / "manifest.json").read_text())
     for b in manifest["binaries"]:
         if not (src / b["file"]).is_file():
             raise RuntimeError(f"{b['file']} is missing from {src}; reinstall portable_gemm")
-        a, c = (hashlib.sha256((d / b["file"]).read_bytes()).hexdigest() for d in (src, dst))
-        if a != c:
+        digest = hashlib.sha256((src / b["file"]).read_bytes()).hexdigest()
+        if digest != b.get("sha256"):
+            raise RuntimeError(f"{b['file']} does not match the manifest's sha256; reinstall portable_gemm")
+        if hashlib.sha256((dst / b["file"]).read_bytes()).hexdigest() != digest:
             raise RuntimeError(f"copying {b['file']} produced a different file; check the destination disk")
