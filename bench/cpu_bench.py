@@ -145,11 +145,12 @@ def bench_weight_only(quick: bool, bw: float) -> list[dict]:
     return rows
 
 
-def markdown(meta: dict, dense: list[dict], wo: list[dict]) -> str:
+def markdown(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None = None) -> str:
     lines = [f"# CPU benchmark — {meta['date']}", "",
              f"commit `{meta['commit']}`, torch {meta['torch']}, target {meta['target']}, "
              f"{meta['threads']} threads, ISA {meta['isa']}, CPU flags: {meta['cpu_flags']}", "",
              f"Measured read bandwidth (sum over 1 GiB, same threads): **{meta['read_GBps']:.1f} GB/s**", "",
+             "## Goals", "", *goals(meta, dense, wo, targets), "",
              "## Dense gemm vs torch.matmul (ratio > 1: we are faster)", "",
              "| dtype | size | ours ms | torch ms | ours GFLOP/s | ratio |", "|---|---|---|---|---|---|"]
     for r in dense:
@@ -164,6 +165,106 @@ def markdown(meta: dict, dense: list[dict], wo: list[dict]) -> str:
         lines.append(f"| int{r['bits']} g{r['group'] or 'ch'} | {r['K']} | {r['N']} | {r['M']} | {r['ours_ms']:.2f} | "
                      f"{r['weight_GBps']:.1f} | {r['frac_of_read_bw']:.0%} | {vt} | {vl} |")
     return "\n".join(lines) + "\n"
+
+
+def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -> list[str]:
+    """Each goal of the CPU performance issue, met or not, with the measured ratio and, where
+    missed, what bounds it (bytes against the measured read bandwidth, or FLOPs against the
+    dense GEMM rate measured in the same run)."""
+    out = ["| goal | measured | met | bound where missed |", "|---|---|---|---|"]
+    peak = {r["dtype"]: max(x["ours_GFLOPs"] for x in dense if x["dtype"] == r["dtype"]) for r in dense}
+
+    def row(goal, values, ok, bound=""):
+        out.append(f"| {goal} | {values} | {'yes' if ok else '**no**'} | {'' if ok else bound} |")
+
+    for dt in ("float32", "bfloat16"):
+        rs = [r for r in dense if r["dtype"] == dt and r["size"] >= 1024]
+        if rs:
+            worst = min(r["ratio"] for r in rs)
+            row(f"{dt} gemm >= 0.9x torch.matmul at 1024-4096",
+                ", ".join(f"{r['size']}: {r['ratio']:.2f}x" for r in rs), worst >= 0.9,
+                f"{max(r['ours_GFLOPs'] for r in rs):.0f} GFLOP/s on 2 cores")
+
+    def flops_bound(r):
+        gf = 2 * r["M"] * r["N"] * r["K"] / (r["ours_ms"] * 1e-3) / 1e9
+        return (f"compute: {gf:.0f} GFLOP/s dequantise+FMA vs dense bf16 {peak.get('bfloat16', 0):.0f} "
+                f"/ fp32 {peak.get('float32', 0):.0f} GFLOP/s")
+
+    for bits, group, name in ((8, 0, "int8"), (4, 128, "int4 g128")):
+        rs = [r for r in wo if (r["bits"], r["group"]) == (bits, group)]
+        m1 = [r for r in rs if r["M"] == 1]
+        if m1:
+            w = min(m1, key=lambda r: r["frac_of_read_bw"])
+            row(f"{name} M=1 reads weights at >= 80% of read bandwidth",
+                f"worst {w['frac_of_read_bw']:.0%} ({w['K']}x{w['N']})", w["frac_of_read_bw"] >= 0.8,
+                f"{w['weight_GBps']:.1f} GB/s vs {meta['read_GBps']:.1f} GB/s: dequantise + FMA per byte")
+        small = [r for r in rs if r["M"] <= 16]
+        if small:
+            w = min(small, key=lambda r: r["frac_of_read_bw"])
+            row(f"{name} M<=16 reads weights at >= 70% of read bandwidth",
+                f"worst {w['frac_of_read_bw']:.0%} (M={w['M']}, {w['K']}x{w['N']})", w["frac_of_read_bw"] >= 0.7,
+                flops_bound(w))
+        refd = [r for r in rs if r["ratio_vs_torch_weight_only"]]
+        if bits == 8:
+            m16 = [r for r in refd if r["M"] == 16]
+            if m16:
+                w = min(m16, key=lambda r: r["ratio_vs_torch_weight_only"])
+                row("int8 M=16 >= 3x torch._weight_int8pack_mm", f"worst {w['ratio_vs_torch_weight_only']:.2f}x "
+                    f"({w['K']}x{w['N']})", w["ratio_vs_torch_weight_only"] >= 3, flops_bound(w))
+        elif refd:
+            w = min(refd, key=lambda r: r["ratio_vs_torch_weight_only"])
+            row("int4 >= 1x torch._weight_int4pack_mm_for_cpu everywhere",
+                f"worst {w['ratio_vs_torch_weight_only']:.2f}x (M={w['M']}, {w['K']}x{w['N']})",
+                w["ratio_vs_torch_weight_only"] >= 1, flops_bound(w) if w["M"] > 1 else
+                f"{w['weight_GBps']:.1f} GB/s at M=1 vs read bandwidth {meta['read_GBps']:.1f} GB/s")
+        m256 = [r for r in rs if r["M"] == 256 and r["ratio_vs_linear_bf16"]]
+        if m256:
+            w = min(m256, key=lambda r: r["ratio_vs_linear_bf16"])
+            row(f"{name} M=256 >= 1x bf16 F.linear", f"worst {w['ratio_vs_linear_bf16']:.2f}x ({w['K']}x{w['N']})",
+                w["ratio_vs_linear_bf16"] >= 1, flops_bound(w))
+    if targets:
+        worst = max(abs(v - 1) for v in targets["ratios"].values())
+        row(f"target {targets['target']} (own pool) within 10% of {meta['target']} (torch's pool)",
+            ", ".join(f"{k}: {v:.2f}x" for k, v in targets["ratios"].items()), worst <= 0.10,
+            "thread pool differences at this size")
+    return out
+
+
+TARGET_PROBE = r"""
+import json, sys, time, torch, portable_gemm as pg
+sys.path.insert(0, sys.argv[1])
+from cpu_bench import timeit
+torch.set_num_threads(int(sys.argv[2])); torch.manual_seed(0)
+a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+ab, bb = a.bfloat16(), b.bfloat16()
+w = (torch.randn(4096, 4096) * 0.02).bfloat16()
+q, s = pg.quantize_weight(w, bits=8)
+x1, x16 = torch.randn(1, 4096).bfloat16(), torch.randn(16, 4096).bfloat16()
+res = {"target": pg.info()["target"],
+       "gemm f32 1024": timeit(lambda i: pg.gemm(a, b))[0],
+       "gemm bf16 1024": timeit(lambda i: pg.gemm(ab, bb))[0],
+       "int8 M=1 4096": timeit(lambda i: pg.mixed_linear(x1, q, s, bits=8))[0],
+       "int8 M=16 4096": timeit(lambda i: pg.mixed_linear(x16, q, s, bits=8))[0]}
+print("PROBE" + json.dumps(res))
+"""
+
+
+def compare_targets(other: str, threads: int) -> dict:
+    """Time a few cases under `other` and under the default target, each in its own
+    interpreter (the target is chosen at import), back to back in this run."""
+    import os
+    out = {}
+    for label, env_target in (("default", None), ("other", other)):
+        env = dict(os.environ)
+        env.pop("PORTABLE_GEMM_TARGET", None)
+        if env_target:
+            env["PORTABLE_GEMM_TARGET"] = env_target
+        proc = subprocess.run([sys.executable, "-c", TARGET_PROBE, str(Path(__file__).parent), str(threads)],
+                              capture_output=True, text=True, env=env, check=True)
+        out[label] = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE"))[5:])
+    keys = [k for k in out["default"] if k != "target"]
+    return {"target": out["other"]["target"], "ratios": {k: out["other"][k] / out["default"][k] for k in keys},
+            "raw": out}
 
 
 def plot(wo: list[dict], bw: float, path: Path) -> None:
@@ -195,6 +296,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--skip-dense", action="store_true")
+    ap.add_argument("--compare-target", default="2.9",
+                    help="also time a few cases under this target (its own pool) vs the default; '' to skip")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -213,8 +316,12 @@ def main() -> int:
     print(f"cpu_bench: {json.dumps(meta)}")
     dense = [] if args.skip_dense else bench_dense(args.quick)
     wo = bench_weight_only(args.quick, bw)
-    (out / "cpu_bench.json").write_text(json.dumps({"meta": meta, "dense": dense, "weight_only": wo}, indent=1))
-    md = markdown(meta, dense, wo)
+    targets = compare_targets(args.compare_target, args.threads) if args.compare_target else None
+    if targets:
+        print(f"  target {targets['target']} / default: " + ", ".join(f"{k} {v:.2f}x" for k, v in targets["ratios"].items()))
+    (out / "cpu_bench.json").write_text(json.dumps({"meta": meta, "dense": dense, "weight_only": wo,
+                                                    "targets": targets}, indent=1))
+    md = markdown(meta, dense, wo, targets)
     (out / "cpu_bench.md").write_text(md)
     plot(wo, bw, out / "cpu_bench.png")
     print()
