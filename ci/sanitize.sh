@@ -13,14 +13,16 @@
 #      needs no sanitizer option;
 #   2. unpacks that wheel into build/asan/site (put first on PYTHONPATH, so the tests and
 #      every subprocess they start import the instrumented copy, not the venv's wheel);
-#   3. runs pytest from tests/ with libasan preloaded (python itself is not instrumented)
+#   3. runs pytest from tests/ with libasan (+ libstdc++) preloaded (python itself is not
+#      instrumented)
 #      and every ASan / UBSan report written to build/asan/reports/;
 #   4. fails (exit 1) when pytest fails OR any sanitizer report was written, by any process
 #      (subprocess tests included), and prints the reports.
 #
 # Environment: PG_VENV (default .venv: a python with torch==2.13.0, scikit-build-core,
 # nanobind, ninja, pytest, numpy, hypothesis; created/filled like ci/dev.sh when missing),
-# PG_PYTHON (default python3.11 or python3), PG_SANITIZE_SKIP_BUILD=1 reuses build/asan/site.
+# PG_PYTHON (default python3.11 or python3), PG_SANITIZE_SKIP_BUILD=1 reuses build/asan/site,
+# PG_SANITIZE_HALT=0 lets UBSan report and continue (the run still fails at the end).
 #
 # Deselected by default: test_symbol_audit.py (compiles and audits throw-away bindings with
 # the system compiler: a toolchain test, no portable_gemm code runs) and gpu tests.
@@ -47,6 +49,7 @@ fi
     "cmake>=3.24" ninja pytest numpy hypothesis expecttest 2>&1 | grep -v "^WARNING: Location" || true
 
 LIBASAN=$(gcc -print-file-name=libasan.so)
+LIBSTDCXX=$(gcc -print-file-name=libstdc++.so.6)
 if [ ! -e "$LIBASAN" ] || [ "$LIBASAN" = libasan.so ]; then
   echo "sanitize: libasan.so not found (gcc -print-file-name=libasan.so); install gcc's libasan" >&2
   exit 2
@@ -75,10 +78,16 @@ if [ "${PG_SANITIZE_SKIP_BUILD:-0}" != 1 ] || [ ! -d "$OUT/site/portable_gemm" ]
   log "built in $((SECONDS - t0)) s"
 fi
 # The instrumented copy really is instrumented (a plain build would make this run vacuous).
-nm -D "$OUT/site/portable_gemm/lib/libportable_gemm_kernels.so" | grep -q __asan_report ||
-  { echo "sanitize: $OUT/site has no ASan instrumentation" >&2; exit 1; }
+for so in "$OUT"/site/portable_gemm/lib/*.so "$OUT"/site/portable_gemm/_dlpack*.so; do
+  syms=$(nm -D "$so")  # (not piped into grep -q: with pipefail, nm's SIGPIPE would fail the check)
+  case "$syms" in
+    *__asan_init*) ;;
+    *) echo "sanitize: $so has no ASan instrumentation" >&2; exit 1 ;;
+  esac
+done
 
 REPORTS=$OUT/reports
+HALT=${PG_SANITIZE_HALT:-1}   # 0: keep going after a UBSan report (to see them all); still fails
 rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
 if [ $# -gt 0 ]; then
@@ -93,19 +102,36 @@ set +e
 (
   cd tests
   export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
-  export LD_PRELOAD="$LIBASAN"
+  # libstdc++ preloaded too: python does not link it, so without it ASan's __cxa_throw
+  # interceptor finds no real __cxa_throw at start-up and the first C++ exception aborts
+  # ("CHECK failed: asan_interceptors.cpp ... real___cxa_throw").
+  export LD_PRELOAD="$LIBASAN $LIBSTDCXX"
   # detect_leaks=0: CPython and torch keep allocations until exit on purpose.
   # halt_on_error / exitcode: the first report ends that process with status 86.
-  export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:exitcode=86:abort_on_error=0:strict_init_order=1:check_initialization_order=1:detect_stack_use_after_return=0:log_path=$REPORTS/asan"
-  export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=87:log_path=$REPORTS/ubsan"
-  "$PY" -m pytest -q -p no:cacheprovider "${PYTEST_ARGS[@]}"
+  # handle_sigbus=0: tests/test_faults.py dlopens a truncated binding on purpose (SIGBUS in
+  # the dynamic loader, checked by that test as a crash); a SIGBUS elsewhere still kills
+  # the process and fails its test.
+  export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:exitcode=86:abort_on_error=0:strict_init_order=1:check_initialization_order=1:detect_stack_use_after_return=0:handle_sigbus=0:log_path=$REPORTS/asan"
+  # UBSan ignores log_path when its runtime sits beside a preloaded libasan: its reports go
+  # to stderr, so the run's output is kept and searched too (below).
+  export UBSAN_OPTIONS="halt_on_error=$HALT:print_stacktrace=1:exitcode=87:log_path=$REPORTS/ubsan"
+  "$PY" -m pytest -q -p no:cacheprovider "${PYTEST_ARGS[@]}" 2>&1 | tee "$REPORTS/pytest.out"
+  exit "${PIPESTATUS[0]}"
 )
 rc=$?
 set -e
 
-nreports=$(find "$REPORTS" -type f | wc -l)
-if [ "$nreports" -gt 0 ]; then
-  log "$nreports sanitizer report(s):"
+# reports written to files by any process, plus any that reached the run's own output
+inline=$(grep -cE "runtime error:|ERROR: AddressSanitizer|AddressSanitizer: CHECK failed|UndefinedBehaviorSanitizer" \
+  "$REPORTS/pytest.out" || true)
+mv "$REPORTS/pytest.out" "$OUT/pytest.out"
+if [ "$inline" -gt 0 ]; then
+  log "$inline sanitizer report line(s) in the pytest output ($OUT/pytest.out):"
+  grep -nE -A12 "runtime error:|ERROR: AddressSanitizer|AddressSanitizer: CHECK failed" "$OUT/pytest.out" | head -80
+fi
+nreports=$(( $(find "$REPORTS" -type f | wc -l) + inline ))
+if [ "$(find "$REPORTS" -type f | wc -l)" -gt 0 ]; then
+  log "sanitizer report file(s):"
   for f in "$REPORTS"/*; do echo "--- $f"; head -60 "$f"; done
 fi
 if [ $rc != 0 ] || [ "$nreports" -gt 0 ]; then

@@ -195,8 +195,9 @@ nb::object gemm(nb::handle a_obj, const Array& a, const Array& b, std::optional<
   args.b = matrix(b, "b", float_dtype(b, "b", bf16_bits));
   if (args.b.dtype != dt) throw nb::type_error("b must have the same dtype as a");
   if (bias) {
-    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1)
-      throw nb::value_error("bias must be a 1-D array of a's dtype");
+    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1 || bias->shape(0) != (size_t)args.b.cols)
+      throw nb::value_error(("bias must be a 1-D array of a's dtype with N = " + std::to_string(args.b.cols) +
+                             " elements").c_str());
     args.bias = bias->data();
     args.bias_stride = bias->stride(0);
   }
@@ -249,7 +250,7 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
   if (qweight.dtype() != want_q)
     throw nb::type_error((std::string("qweight must be ") + (bits == 8 ? "int8" : "uint8") + " for bits=" +
                           std::to_string(bits) + ", got " + dtype_label(qweight.dtype())).c_str());
-  if (qweight.ndim() != 2 || qweight.stride(1) != 1)
+  if (qweight.ndim() != 2 || (qweight.stride(1) != 1 && qweight.shape(0) * qweight.shape(1) > 0))
     throw nb::value_error("qweight must be 2-D with contiguous rows (as quantize_weight returns it)");
   args.w.data = qweight.data();
   args.w.n = qweight.shape(0);
@@ -260,15 +261,18 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
   args.w.scales = scales.data();
   args.w.scales_dtype = float_dtype(scales, "scales", bf16_bits);
   const size_t want_ndim = args.w.group_size ? 2 : 1;
-  if (scales.ndim() != want_ndim || (want_ndim == 2 && scales.stride(1) != 1))
+  const bool shape_ok = scales.ndim() == want_ndim && scales.shape(0) == (size_t)args.w.n &&
+                        (want_ndim == 1 || (args.w.group_size && scales.shape(1) == (size_t)(args.x.cols / args.w.group_size)));
+  if (!shape_ok || (want_ndim == 2 && scales.stride(1) != 1 && scales.shape(1) > 1))
     throw nb::value_error(args.w.group_size ? "scales must be [N, K / group_size] with contiguous rows"
                                             : "scales must be 1-D [N] for per-channel quantisation");
   args.w.scales_row_stride = scales.stride(0);
   if ((bits == 8 ? qweight.shape(1) : 2 * qweight.shape(1)) != (size_t)args.x.cols)
     throw nb::value_error("qweight does not match x's K (int4: [N, K/2])");
   if (bias) {
-    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1)
-      throw nb::value_error("bias must be a 1-D array of x's dtype");
+    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1 || bias->shape(0) != (size_t)args.w.n)
+      throw nb::value_error(("bias must be a 1-D array of x's dtype with N = " + std::to_string(args.w.n) +
+                             " elements").c_str());
     args.bias = bias->data();
     args.bias_stride = bias->stride(0);
   }

@@ -88,6 +88,9 @@ inline std::optional<ConstMatrix> as_rows(const Tensor& t) {
   m.col_stride = t.stride(nd - 1);
   m.rows = 1;
   m.row_stride = m.cols;  // any value works when rows <= 1
+  for (int64_t d = 0; d + 1 < nd; ++d) m.rows *= t.size(d);
+  if (m.rows == 0) return m;  // nothing to read: any stride will do
+  m.rows = 1;
   int64_t expected = -1;  // stride the next outer dim must have to merge
   for (int64_t d = nd - 2; d >= 0; --d) {
     const int64_t size = t.size(d);
@@ -261,8 +264,13 @@ Tensor mixed_linear(Tensor x, Tensor qweight, Tensor scales, int64_t bits, int64
 
   // The weight kernels read rows of bytes and rows of scales: unit inner strides needed.
   std::optional<Tensor> x_copy, q_copy, s_copy;
-  if (qweight.stride(1) != 1 && packed_k > 1) q_copy = compat::contiguous_copy(qweight);
-  if (group_size && scales.stride(1) != 1 && K / group_size > 1) s_copy = compat::contiguous_copy(scales);
+  // Rows of bytes / scales with unit inner stride and non-overlapping rows; anything else
+  // (transposed, expanded with stride 0) is copied once.
+  const int64_t n_groups = group_size ? K / group_size : 1;
+  if (N > 1 ? qweight.stride(0) < packed_k : false) q_copy = compat::contiguous_copy(qweight);
+  else if (qweight.stride(1) != 1 && packed_k > 1) q_copy = compat::contiguous_copy(qweight);
+  if (N > 1 && scales.stride(0) < n_groups) s_copy = compat::contiguous_copy(scales);
+  else if (group_size && scales.stride(1) != 1 && n_groups > 1) s_copy = compat::contiguous_copy(scales);
   const Tensor& q = q_copy ? *q_copy : qweight;
   const Tensor& s = s_copy ? *s_copy : scales;
 

@@ -122,7 +122,7 @@ void pack_rows_transposed(const void* const* rows, int nrows, DType t, int64_t k
 
 inline float activate(float x, Activation a) {
   switch (a) {
-    case Activation::relu: return x > 0.f ? x : 0.f;
+    case Activation::relu: return x < 0.f ? 0.f : x;  // NaN stays NaN, as torch.relu
     case Activation::silu: return x / (1.f + std::exp(-x));
     case Activation::gelu: return 0.5f * x * (1.f + std::erf(x * 0.70710678118654752f));
     default: return x;

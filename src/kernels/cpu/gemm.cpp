@@ -193,7 +193,7 @@ void convert_to_f32(const void* src, int64_t stride, DType t, int64_t n, float* 
     case DType::f32: {
       const float* s = static_cast<const float*>(src);
       if (stride == 1) {
-        std::memcpy(dst, s, size_t(n) * sizeof(float));
+        if (n > 0) std::memcpy(dst, s, size_t(n) * sizeof(float));
       } else {
         for (int64_t i = 0; i < n; ++i) dst[i] = s[i * stride];
       }
@@ -279,7 +279,7 @@ PG_TARGET_AVX512 inline __m512 gelu_avx512(__m512 x) {
 PG_TARGET_AVX512 inline __m512 activate_avx512(__m512 v, Activation act) {
   switch (act) {
     case Activation::relu:
-      return _mm512_max_ps(v, _mm512_setzero_ps());
+      return _mm512_max_ps(_mm512_setzero_ps(), v);  // maxps returns its 2nd operand for NaN: keeps NaN
     case Activation::silu:
       return _mm512_div_ps(
           v, _mm512_add_ps(_mm512_set1_ps(1.f), exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), v))));
@@ -358,7 +358,7 @@ void Epilogue::store(const float* tile, int64_t ldt, int64_t i0, int64_t m, int6
         }
         switch (act) {
           case Activation::relu:
-            for (int64_t x = 0; x < cnt; ++x) tmp[x] = tmp[x] > 0.f ? tmp[x] : 0.f;
+            for (int64_t x = 0; x < cnt; ++x) tmp[x] = tmp[x] < 0.f ? 0.f : tmp[x];  // NaN stays NaN
             break;
           case Activation::silu:
             for (int64_t x = 0; x < cnt; ++x) tmp[x] = activate(tmp[x], Activation::silu);

@@ -1,0 +1,319 @@
+"""Concurrency: many Python threads calling every op at once give bit-for-bit the results of
+sequential calls (CPU through torch, CPU through the DLPack door with the library's own pool,
+CUDA with one stream per thread when a GPU is there); the 2.9 target's own thread pool
+survives fork() (also while another thread is inside a kernel); the interpreter shuts down
+cleanly (exit 0, bounded time) with daemon threads still inside the ops.
+
+Subprocess cases (fresh interpreters: targets are chosen at import) start together in a
+module fixture and are awaited by their tests, so the file stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import portable_gemm as pg
+import portable_gemm.dlpack as door
+
+THREADS = 8
+ROUNDS = 5
+TIMEOUT = 180
+
+
+def _inputs(device="cpu"):
+    g = torch.Generator().manual_seed(7)
+
+    def r(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    calls = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        a, b, bias = r(96, 256, dtype=dtype), r(256, 160, dtype=dtype), r(160, dtype=dtype)
+        calls.append((f"gemm {dtype}", lambda a=a, b=b, bias=bias: pg.gemm(a, b, bias=bias, activation="gelu")))
+        at = r(3, 40, 130, dtype=dtype).transpose(0, 1)  # non-mergeable batch: copy path
+        calls.append((f"gemm strided {dtype}", lambda at=at, b=r(130, 33, dtype=dtype): pg.gemm(at, b)))
+    w = r(192, 512)
+    calls.append(("quantize int8", lambda w=w: pg.quantize_weight(w, bits=8)))
+    calls.append(("quantize int4 g64", lambda w=w.to(torch.bfloat16): pg.quantize_weight(w, bits=4, group_size=64)))
+    q8, s8 = pg.quantize_weight(w.to(torch.float16), bits=8)
+    q4, s4 = pg.quantize_weight(w.to(torch.bfloat16), bits=4, group_size=128)
+    x16, xb = r(24, 512, dtype=torch.float16), r(24, 512, dtype=torch.bfloat16)
+    calls.append(("mixed int8", lambda: pg.mixed_linear(x16, q8, s8, bits=8, activation="silu")))
+    calls.append(("mixed int4", lambda: pg.mixed_linear(xb, q4, s4, bits=4, group_size=128,
+                                                        bias=torch.ones(192, dtype=torch.bfloat16, device=device))))
+    return calls
+
+
+def _equal(x, y) -> bool:
+    if isinstance(x, tuple):
+        return all(_equal(a, b) for a, b in zip(x, y))
+    if isinstance(x, np.ndarray):
+        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+    return torch.equal(x, y)
+
+
+def _hammer(calls, want, per_thread_setup=None, sync=None):
+    """THREADS threads run every call ROUNDS times in their own shuffled order, released
+    together; returns the list of mismatches / exceptions."""
+    barrier = threading.Barrier(THREADS)
+    problems: list[str] = []
+    lock = threading.Lock()
+
+    def worker(tid):
+        try:
+            ctx = per_thread_setup(tid) if per_thread_setup else None
+            order = list(range(len(calls))) * ROUNDS
+            random.Random(tid).shuffle(order)
+            barrier.wait(timeout=60)
+            results = []
+            for i in order:
+                if ctx is not None:
+                    with ctx:
+                        results.append((i, calls[i][1]()))
+                else:
+                    results.append((i, calls[i][1]()))
+            if sync:
+                sync()
+            for i, got in results:
+                if not _equal(got, want[i]):
+                    with lock:
+                        problems.append(f"thread {tid}: {calls[i][0]} differs from the sequential result")
+        except BaseException as e:  # noqa: BLE001
+            with lock:
+                problems.append(f"thread {tid}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=TIMEOUT)
+    hung = [t for t in threads if t.is_alive()]
+    assert not hung, f"{len(hung)} threads still running after {TIMEOUT} s (deadlock?)"
+    return problems
+
+
+def test_threads_cpu_bitwise_equal_to_sequential():
+    calls = _inputs()
+    want = [c() for _, c in calls]
+    assert all(_equal(c(), w) for (_, c), w in zip(calls, want)), "not even deterministic sequentially"
+    problems = _hammer(calls, want)
+    assert not problems, "\n".join(problems[:20])
+
+
+def _dlpack_calls():
+    rng = np.random.default_rng(3)
+    a32, b32 = rng.standard_normal((80, 300), np.float32), rng.standard_normal((300, 140), np.float32)
+    a16, b16 = a32.astype(np.float16), b32.astype(np.float16)
+    bf = lambda x: (torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16)  # noqa: E731
+                    .view(torch.int16).numpy().view(np.uint16))
+    w = rng.standard_normal((160, 256), np.float32)
+    q8, s8 = door.quantize_weight(w, 8, None)
+    q4, s4 = door.quantize_weight(bf(w), 4, 64, bf16_bits=True)
+    x = rng.standard_normal((17, 256), np.float32)
+    return [
+        ("gemm f32", lambda: door.gemm(a32, b32, None, "relu")),
+        ("gemm f16 strided", lambda: door.gemm(a16[::2, 1:], b16[1:, ::3])),
+        ("gemm bf16", lambda: door.gemm(bf(a32), bf(b32), bf(b32[0]), "gelu", bf16_bits=True)),
+        ("quantize int8", lambda: door.quantize_weight(w, 8, 32)),
+        ("quantize int4", lambda: door.quantize_weight(bf(w), 4, 128, bf16_bits=True)),
+        ("mixed int8", lambda: door.mixed_linear(x, q8, s8, 8)),
+        ("mixed int4", lambda: door.mixed_linear(bf(x), q4, s4, 4, 64, None, "silu", bf16_bits=True)),
+    ]
+
+
+def test_threads_dlpack_builtin_pool_bitwise():
+    calls = _dlpack_calls()
+    want = [c() for _, c in calls]
+    problems = _hammer(calls, want)
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this torch has none or is CPU-only)")
+def test_threads_cuda_streams_bitwise():
+    if not pg.info()["cuda"]["loaded"]:
+        pytest.skip(f"CUDA binding not loaded: {pg.info()['cuda']['reason']}")
+    calls = _inputs("cuda")
+    want = [c() for _, c in calls]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in range(THREADS)]
+    problems = _hammer(calls, want, per_thread_setup=lambda tid: torch.cuda.stream(streams[tid]),
+                       sync=torch.cuda.synchronize)
+    assert not problems, "\n".join(problems[:20])
+
+
+# ---- subprocess cases ------------------------------------------------------------------
+
+COMMON = r"""
+import os, sys, threading, time
+import numpy as np
+import torch
+import portable_gemm as pg
+import portable_gemm.dlpack as door
+
+def work(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(200, 300, generator=g), torch.randn(300, 120, generator=g)
+    w = torch.randn(128, 256, generator=g).to(torch.bfloat16)
+    q, s = pg.quantize_weight(w, bits=4, group_size=64)
+    x = torch.randn(9, 256, generator=g).to(torch.bfloat16)
+    return (pg.gemm(a, b, activation="relu"), q, s, pg.mixed_linear(x, q, s, bits=4, group_size=64),
+            door.gemm(a.numpy(), b.numpy()))
+
+def same(x, y):
+    return all((torch.equal(p, q) if isinstance(p, torch.Tensor) else p.tobytes() == q.tobytes())
+               for p, q in zip(x, y))
+"""
+
+FORK = COMMON + r"""
+assert pg.info()["target"] == os.environ["PORTABLE_GEMM_TARGET"], pg.info()["target"]
+threading_feature = pg.info()["features"]["threading"]
+ref = work()
+
+# 1. threads on the builtin pool (several callers: the pool runs extra callers inline)
+errs = []
+def loop():
+    try:
+        for _ in range(4):
+            if not same(work(), ref):
+                errs.append("threaded result differs")
+    except BaseException as e:
+        errs.append(repr(e))
+ts = [threading.Thread(target=loop) for _ in range(8)]
+[t.start() for t in ts]; [t.join(120) for t in ts]
+assert not errs and not any(t.is_alive() for t in ts), errs
+
+def fork_and_check(label):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = same(work(), ref) and same(work(), ref)
+            os._exit(0 if ok else 3)
+        except BaseException:
+            import traceback; traceback.print_exc()
+            os._exit(4)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise SystemExit(f"{label}: child hung (deadlock after fork?)")
+    if os.WIFSIGNALED(status):
+        raise SystemExit(f"{label}: child killed by signal {os.WTERMSIG(status)}")
+    code = os.WEXITSTATUS(status)
+    if code != 0:
+        raise SystemExit(f"{label}: child exited {code}")
+
+# 2. fork after the pool has run (its workers do not exist in the child)
+fork_and_check("idle pool")
+# 3. fork while another thread is inside a kernel (pool mutexes may be held at fork time)
+stop = threading.Event()
+def busy():
+    while not stop.is_set():
+        work(1)
+bt = threading.Thread(target=busy, daemon=True)
+bt.start()
+time.sleep(0.05)
+import warnings
+warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork() of a multi-threaded process
+for i in range(5):
+    fork_and_check(f"busy pool #{i}")
+    time.sleep(0.01)
+stop.set(); bt.join(60)
+# 4. the parent's pool still works after forking
+assert same(work(), ref)
+print("FORK-OK", threading_feature)
+"""
+
+# Every daemon thread is INSIDE a long kernel call (GIL released, pool workers busy) when
+# the main thread exits: finalization, atexit and the C++ static destructors run while the
+# kernels still execute, and exit() must win cleanly (status 0).
+#
+# Why "inside" and not "looping over short calls": on CPython < 3.14 a daemon thread that
+# returns from ANY C++ op during finalization is killed by pthread_exit() when it tries to
+# take the GIL back; the forced unwind through a noexcept destructor (nanobind / pybind11
+# gil_scoped_release) calls std::terminate -> SIGABRT. torch.mm does exactly the same, so
+# that is a property of CPython + C++ extensions, not of portable_gemm (see the report).
+SHUTDOWN = COMMON + r"""
+K, M, N = 8192, 8192, 4096                       # ~550 GFLOP per gemm call: seconds, not ms
+a = torch.randn(1, K).expand(M, K)               # stride-0 rows / columns: no memory
+b = torch.randn(K, 1).expand(K, N)
+w = torch.randn(1, K).to(torch.bfloat16).expand(N, K)
+q, s = pg.quantize_weight(w, bits=4, group_size=128)
+x = torch.randn(1, K).to(torch.bfloat16).expand(M, K)
+an = np.broadcast_to(np.random.randn(1, K).astype(np.float32), (M, K))
+bn = np.broadcast_to(np.random.randn(K, 1).astype(np.float32), (K, N))
+jobs = [lambda: pg.gemm(a, b, activation="gelu"), lambda: pg.gemm(a, b),
+        lambda: pg.mixed_linear(x, q, s, bits=4, group_size=128), lambda: door.gemm(an, bn)]
+t = time.monotonic(); pg.gemm(a[:128], b); one = (time.monotonic() - t) * M / 128
+started = threading.Barrier(len(jobs) + 1)
+never = threading.Event()
+def run(job):
+    started.wait()
+    job()          # one long call; finishing before the exit is fine:
+    never.wait()   # park without touching an op again
+for j in jobs:
+    threading.Thread(target=run, args=(j,), daemon=True).start()
+started.wait()
+time.sleep(0.2)
+print("EXITING", pg.info()["target"], f"one call alone ~{one:.1f}s", flush=True)
+sys.exit(0)
+"""
+
+
+def _spawn(code, env=None):
+    full = dict(os.environ)
+    full.pop("PORTABLE_GEMM_TARGET", None)
+    full.update(env or {})
+    return subprocess.Popen([sys.executable, "-c", code], env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    started = {
+        "fork_2.9": _spawn(FORK, {"PORTABLE_GEMM_TARGET": "2.9"}),
+        "shutdown_2.9": _spawn(SHUTDOWN, {"PORTABLE_GEMM_TARGET": "2.9"}),
+        "shutdown_default": _spawn(SHUTDOWN),
+    }
+    yield started
+    for p in started.values():
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def _wait(p, name, timeout=TIMEOUT):
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"{name}: did not finish within {timeout} s (hang)\n{err[-3000:]}")
+    assert p.returncode >= 0, f"{name}: killed by signal {-p.returncode}\n{err[-3000:]}"
+    return p.returncode, out, err
+
+
+def test_builtin_pool_threads_and_fork(procs):
+    rc, out, err = _wait(procs["fork_2.9"], "fork_2.9")
+    assert rc == 0, f"exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
+    assert "FORK-OK portable_gemm_pool" in out, out
+
+
+@pytest.mark.parametrize("which", ["shutdown_2.9", "shutdown_default"])
+def test_shutdown_with_work_in_flight(procs, which):
+    rc, out, err = _wait(procs[which], which, timeout=120)
+    assert "EXITING" in out, err[-3000:]
+    assert rc == 0, f"{which}: exit {rc} with daemon threads inside the ops\n{err[-3000:]}"
