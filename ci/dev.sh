@@ -4,12 +4,14 @@
 #
 #   bash ci/dev.sh demo     build the portable wheel (5 targets, CPU + CUDA bindings), install
 #                           it into the venv, print which binary was chosen and why, run the GEMMs
-#   bash ci/dev.sh test     build + install, then pytest, the symbol audit and the runtime matrix
+#   bash ci/dev.sh test     build + install, then pytest, the ASan+UBSan run, the symbol audit and
+#                           the runtime matrix
 #   bash ci/dev.sh wheel    only build the wheel into dist/
 #   bash ci/dev.sh pytest [args]   only pytest against the installed wheel
 #   bash ci/dev.sh audit    symbol audit of dist/*.whl against every runtime's export list
 #   bash ci/dev.sh matrix [args]   the runtime matrix (one venv per torch release, uv cache)
 #   bash ci/dev.sh bench [args]    CPU benchmark (ratios against torch in the same process)
+#   bash ci/dev.sh sanitize [args] the CPU suite under an ASan+UBSan build (ci/sanitize.sh)
 #
 # Environment: PG_VENV (default .venv), PG_PYTHON (default python3.11 or python3),
 # PG_SKIP_MATRIX=1 skips the runtime matrix in `test`.
@@ -83,10 +85,13 @@ case "$cmd" in
   audit) setup; "$VENV/bin/python" ci/symbol_audit.py dist/portable_gemm-*.whl ;;
   matrix) setup; "$VENV/bin/python" ci/matrix.py --wheel "$(ls dist/portable_gemm-*.whl)" "$@" ;;
   bench) setup; "$VENV/bin/python" bench/cpu_bench.py "$@" ;;
+  sanitize) setup; PG_VENV="$VENV" bash ci/sanitize.sh "$@" ;;
   test)
     wheel
     log "pytest"
     run_pytest
+    log "ASan + UBSan"
+    PG_VENV="$VENV" bash ci/sanitize.sh
     log "symbol audit"
     "$VENV/bin/python" ci/symbol_audit.py dist/portable_gemm-*.whl
     if [ "${PG_SKIP_MATRIX:-0}" != 1 ]; then
@@ -94,5 +99,5 @@ case "$cmd" in
       "$VENV/bin/python" ci/matrix.py --wheel "$(ls dist/portable_gemm-*.whl)"
     fi
     ;;
-  *) sed -n '2,18p' "$0"; exit 2 ;;
+  *) sed -n '2,21p' "$0"; exit 2 ;;
 esac
