@@ -121,6 +121,12 @@ struct Output {
       if (!data) throw std::bad_alloc();
     }
   }
+  Output(const Output&) = delete;
+  Output(Output&& o) noexcept : data(o.data), ndim(o.ndim), dtype(o.dtype), where(o.where) {
+    shape[0] = o.shape[0];
+    shape[1] = o.shape[1];
+    o.data = nullptr;  // the moved-from one must not free it
+  }
   static void release(void* p, const Where& w) noexcept {
     if (!p) return;
     if (w.cuda) pg::cuda::device_free(p, w.device);
@@ -186,6 +192,25 @@ void check(const pg::Status& s) {  // validation results
   if (!s.ok()) throw nb::value_error(s.message ? s.message : "invalid arguments");
 }
 
+// What gemm and mixed_linear share: the bias ([N], the input's dtype), the activation, and
+// the rows x N output on the operands' device.
+template <class Args>
+Output epilogue_and_output(Args& args, pg::Matrix Args::*out_field, int64_t rows, int64_t n,
+                           const std::optional<Array>& bias, const std::string& act, pg::DType dt, const Where& w,
+                           const char* input, bool bf16_bits) {
+  if (bias) {
+    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1 || bias->shape(0) != (size_t)n)
+      throw nb::value_error(("bias must be a 1-D array of " + std::string(input) + "'s dtype with N = " +
+                             std::to_string(n) + " elements").c_str());
+    args.bias = bias->data();
+    args.bias_stride = bias->stride(0);
+  }
+  args.activation = activation(act);
+  Output out({(size_t)rows, (size_t)n}, dt, w);
+  args.*out_field = pg::Matrix{out.data, rows, n, std::max<int64_t>(n, 1), 1, dt};
+  return out;
+}
+
 nb::object gemm(nb::handle a_obj, const Array& a, const Array& b, std::optional<Array> bias,
                 const std::string& act, bool bf16_bits, uintptr_t stream) {
   const Where w = same_place({{&a, "a"}, {&b, "b"}, {bias ? &*bias : nullptr, "bias"}});
@@ -194,16 +219,7 @@ nb::object gemm(nb::handle a_obj, const Array& a, const Array& b, std::optional<
   args.a = matrix(a, "a", dt);
   args.b = matrix(b, "b", float_dtype(b, "b", bf16_bits));
   if (args.b.dtype != dt) throw nb::type_error("b must have the same dtype as a");
-  if (bias) {
-    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1 || bias->shape(0) != (size_t)args.b.cols)
-      throw nb::value_error(("bias must be a 1-D array of a's dtype with N = " + std::to_string(args.b.cols) +
-                             " elements").c_str());
-    args.bias = bias->data();
-    args.bias_stride = bias->stride(0);
-  }
-  args.activation = activation(act);
-  Output out({(size_t)args.a.rows, (size_t)args.b.cols}, dt, w);
-  args.c = pg::Matrix{out.data, args.a.rows, args.b.cols, std::max<int64_t>(args.b.cols, 1), 1, dt};
+  Output out = epilogue_and_output(args, &pg::GemmArgs::c, args.a.rows, args.b.cols, bias, act, dt, w, "a", bf16_bits);
   check(pg::validate_gemm(args));
   run(args, w, stream, &pg::cpu::gemm, &pg::cuda::gemm);
   return out.to_python(a_obj, bf16_bits);
@@ -269,16 +285,7 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
   args.w.scales_row_stride = scales.stride(0);
   if ((bits == 8 ? qweight.shape(1) : 2 * qweight.shape(1)) != (size_t)args.x.cols)
     throw nb::value_error("qweight does not match x's K (int4: [N, K/2])");
-  if (bias) {
-    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1 || bias->shape(0) != (size_t)args.w.n)
-      throw nb::value_error(("bias must be a 1-D array of x's dtype with N = " + std::to_string(args.w.n) +
-                             " elements").c_str());
-    args.bias = bias->data();
-    args.bias_stride = bias->stride(0);
-  }
-  args.activation = activation(act);
-  Output out({(size_t)args.x.rows, (size_t)args.w.n}, dt, w);
-  args.y = pg::Matrix{out.data, args.x.rows, args.w.n, std::max<int64_t>(args.w.n, 1), 1, dt};
+  Output out = epilogue_and_output(args, &pg::MixedLinearArgs::y, args.x.rows, args.w.n, bias, act, dt, w, "x", bf16_bits);
   check(pg::validate_mixed_linear(args));
   run(args, w, stream, &pg::cpu::mixed_linear, &pg::cuda::mixed_linear);
   return out.to_python(x_obj, bf16_bits);
