@@ -267,7 +267,7 @@ Tensor mixed_linear(Tensor x, Tensor qweight, Tensor scales, int64_t bits, int64
   // Rows of bytes / scales with unit inner stride and non-overlapping rows; anything else
   // (transposed, expanded with stride 0) is copied once.
   const int64_t n_groups = group_size ? K / group_size : 1;
-  if (N > 1 ? qweight.stride(0) < packed_k : false) q_copy = compat::contiguous_copy(qweight);
+  if (N > 1 && qweight.stride(0) < packed_k) q_copy = compat::contiguous_copy(qweight);
   else if (qweight.stride(1) != 1 && packed_k > 1) q_copy = compat::contiguous_copy(qweight);
   if (N > 1 && scales.stride(0) < n_groups) s_copy = compat::contiguous_copy(scales);
   else if (group_size && scales.stride(1) != 1 && n_groups > 1) s_copy = compat::contiguous_copy(scales);
