@@ -51,7 +51,8 @@ function(pg_torch_cuda_link_library out_var)
     return()
   endif()
   if(NOT TARGET pg_torch_cuda_link_stub)
-    file(WRITE ${CMAKE_BINARY_DIR}/link_stub/stub.cpp "// SONAME carrier, never installed\n")
+    # CONFIGURE rewrites the file only when its content changes (no relink on every configure)
+    file(CONFIGURE OUTPUT ${CMAKE_BINARY_DIR}/link_stub/stub.cpp CONTENT "// SONAME carrier, never installed\n")
     add_library(pg_torch_cuda_link_stub SHARED ${CMAKE_BINARY_DIR}/link_stub/stub.cpp)
     set_target_properties(pg_torch_cuda_link_stub PROPERTIES
       OUTPUT_NAME torch_cuda LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/link_stub
