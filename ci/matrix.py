@@ -45,26 +45,16 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------- the wheel
 
 def build_wheel() -> Path:
-    """Build the project's wheel ONCE into dist/ and return its path.
-
-    TODO(lead): this is the hook for the project's real build command; adjust the command
-    (environment, CMake args, CUDA on/off) as the build settles. It runs with the current
-    interpreter, which must already hold the build requirements and a torch >= 2.13 whose
-    headers the bindings are compiled against (no build isolation).
-    """
-    dist = ROOT / "dist"
-    dist.mkdir(exist_ok=True)
-    before = set(dist.glob("*.whl"))
-    cmd = [sys.executable, "-m", "pip", "wheel", ".", "--no-build-isolation", "--no-deps", "-w", "dist"]
-    log(f"building the wheel: {' '.join(cmd)}")
+    """Build the wheel ONCE with the project's own command (`bash ci/dev.sh wheel`: its venv,
+    torch headers, CUDA when nvcc is found, auditwheel repair) and return its path."""
+    log("building the wheel: bash ci/dev.sh wheel")
     t0 = time.time()
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    wheels = sorted(dist.glob("portable_gemm-*.whl"), key=lambda p: p.stat().st_mtime)
+    subprocess.run(["bash", str(ROOT / "ci" / "dev.sh"), "wheel"], cwd=ROOT, check=True)
+    wheels = sorted((ROOT / "dist").glob("portable_gemm-*.whl"), key=lambda p: p.stat().st_mtime)
     if not wheels:
         raise SystemExit("build_wheel: no portable_gemm-*.whl in dist/")
-    new = [w for w in wheels if w not in before] or wheels
-    log(f"built {new[-1].name} in {time.time() - t0:.0f}s")
-    return new[-1]
+    log(f"built {wheels[-1].name} in {time.time() - t0:.0f}s")
+    return wheels[-1]
 
 
 def sha256(path: Path) -> str:
