@@ -10,8 +10,12 @@
 #include <nanobind/stl/tuple.h>
 #include <portable_gemm/kernels.h>
 
+#include <dlfcn.h>
+
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <optional>
 #include <string>
 
@@ -161,13 +165,45 @@ struct Output {
   ~Output() { release(data, where); }
 };
 
+// Is the interpreter finalising? Read without the GIL through Py_IsFinalizing (3.13+) or
+// _Py_IsFinalizing (older); looked up at import because neither is in the limited API that
+// the abi3 build compiles against.
+using IsFinalizing = int (*)();
+IsFinalizing g_is_finalizing = nullptr;
+
+void find_is_finalizing() {
+  void* f = dlsym(RTLD_DEFAULT, "Py_IsFinalizing");
+  if (f == nullptr) f = dlsym(RTLD_DEFAULT, "_Py_IsFinalizing");
+  g_is_finalizing = reinterpret_cast<IsFinalizing>(f);
+}
+
+// Releases the GIL around a kernel. Taking it back while the interpreter finalises makes
+// CPython < 3.14 end the thread with pthread_exit(); its forced unwind through a noexcept
+// destructor (nanobind's gil_scoped_release, like pybind11's: pytorch/pytorch#38228) calls
+// std::terminate and takes the whole process down. A daemon thread that comes back from a
+// kernel that late parks instead, as CPython 3.14 does with such threads; exit() ends it.
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+  ~GilRelease() {
+    if (g_is_finalizing != nullptr && g_is_finalizing() != 0)
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    PyEval_RestoreThread(state_);
+  }
+
+ private:
+  PyThreadState* state_;
+};
+
 // Runs the kernel where the operands live: the CPU pool, or `stream` on their CUDA device.
 template <class Args>
 void run(const Args& args, const Where& w, uintptr_t stream, pg::Status (*cpu_fn)(const Args&, const pg::Executor&),
          pg::Status (*cuda_fn)(const Args&, void*)) {
   pg::Status s;
   {
-    nb::gil_scoped_release release;
+    GilRelease release;
     if (w.cuda) {
       int32_t previous = 0;
       s = pg::cuda::set_device(w.device, &previous);
@@ -294,6 +330,7 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
 }  // namespace
 
 NB_MODULE(_dlpack, m) {
+  find_is_finalizing();
   m.doc() = "Torch-free door to the portable_gemm kernels (CPU and CUDA arrays via DLPack / buffer protocol).";
   m.def("has_cuda", [] { return pg::has_cuda(); });
   m.def("gemm",
