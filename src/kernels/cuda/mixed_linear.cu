@@ -363,7 +363,11 @@ Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
 // the 8 partial results are summed through shared memory. Scales: per channel at the end;
 // groups that cover whole chunks on the fp32 partial of each chunk (exact); smaller groups
 // (a multiple of the piece) folded into the 16-bit weight before the MMA (q * s rounded
-// once to f16/bf16).
+// once to f16/bf16). int4 without folding (OFFSET) feeds the MMA OFF + q straight out of
+// the magic-number trick and subtracts OFF . x per chunk (one extra MMA per k step,
+// shared by all RT tiles) instead of a subtraction per weight pair: 3-5% faster on the
+// H200 (bench/GPU_NOTES.md, run 12), where this kernel is bound neither by the bytes in
+// flight (runs 11, 13) nor by this arithmetic alone.
 namespace tcv {
 constexpr int THREADS = 256;
 constexpr int KW = THREADS / 32;  // warps per block, splitting K
@@ -454,6 +458,19 @@ __device__ __forceinline__ uint32_t dq4(uint32_t wx, int i) {
   constexpr uint32_t bias = std::is_same<T, __half>::value ? 0x64086408u : 0x43084308u;
   return sub2<T>(((wx >> (4 * i)) & 0x000F000Fu) | magic, bias);
 }
+// The same two nibbles as 16-bit values still offset by the magic number and the bias of
+// 8 (1032 + q in f16, 136 + q in bf16, exact): the MMA then sums (OFF + q) x, and OFF . x
+// is subtracted once per chunk (see gemv_tc_kernel) instead of once per weight pair.
+template <typename T>
+__device__ __forceinline__ uint32_t dq4_offset(uint32_t wx, int i) {
+  constexpr uint32_t magic = std::is_same<T, __half>::value ? 0x64006400u : 0x43004300u;
+  return ((wx >> (4 * i)) & 0x000F000Fu) | magic;
+}
+template <typename T>
+__host__ __device__ constexpr uint32_t dq4_offset_pair() {  // OFF in both halves: 1032 (f16) / 136 (bf16)
+  return std::is_same<T, __half>::value ? 0x64086408u : 0x43084308u;
+}
+
 // Bytes 2h and 2h + 1 of w (signed int8) as two exact 16-bit values.
 template <typename T>
 __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
@@ -466,7 +483,7 @@ __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
   }
 }
 
-template <typename T, int BITS, int MT>
+template <typename T, int BITS, int MT, bool OFFSET>
 __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   using Cfg = TcvCfg<BITS>;
   constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU;
@@ -546,6 +563,39 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     if (c + KW < nchunks) load(c + KW);
 
     const bool fold = p.mode == 2;
+    // x as B fragments, once per chunk for all RT weight tiles: [j][t][mt] for int4
+    // (prmt into the permuted k order), [j][mt] for int8 (the words as they are).
+    constexpr int NB = BITS == 4 ? 8 : 4;
+    uint32_t bx[NB][MT][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (BITS == 4) {
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const uint32_t lo = word_of(xc[mt][j], t), hi = word_of(xc[mt][j], t + 2);
+            bx[2 * j + t][mt][0] = __byte_perm(lo, hi, 0x5410u);
+            bx[2 * j + t][mt][1] = __byte_perm(lo, hi, 0x7632u);
+          }
+        } else {
+          bx[j][mt][0] = word_of(xc[mt][j / 2], 2 * (j % 2));
+          bx[j][mt][1] = word_of(xc[mt][j / 2], 2 * (j % 2) + 1);
+        }
+      }
+    // OFFSET: the chunk's OFF . x, the same for every weight row (A = OFF everywhere).
+    float corr[MT][4];
+    if constexpr (OFFSET) {
+      const uint32_t off[4] = {dq4_offset_pair<T>(), dq4_offset_pair<T>(), dq4_offset_pair<T>(),
+                               dq4_offset_pair<T>()};
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) corr[mt][r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < NB; ++i) mma_16816<T>(corr[mt], off, bx[i][mt]);
+      }
+    }
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) {
       float part[MT][4];
@@ -569,22 +619,25 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
             uint32_t a[4];
-            a[0] = dq4<T>(x0, 2 * t);
-            a[1] = dq4<T>(x1, 2 * t);
-            a[2] = dq4<T>(x0, 2 * t + 1);
-            a[3] = dq4<T>(x1, 2 * t + 1);
-            if (fold) {
-              a[0] = mul2<T>(a[0], s0);
-              a[2] = mul2<T>(a[2], s0);
-              a[1] = mul2<T>(a[1], s1);
-              a[3] = mul2<T>(a[3], s1);
+            if constexpr (OFFSET) {
+              a[0] = dq4_offset<T>(x0, 2 * t);
+              a[1] = dq4_offset<T>(x1, 2 * t);
+              a[2] = dq4_offset<T>(x0, 2 * t + 1);
+              a[3] = dq4_offset<T>(x1, 2 * t + 1);
+            } else {
+              a[0] = dq4<T>(x0, 2 * t);
+              a[1] = dq4<T>(x1, 2 * t);
+              a[2] = dq4<T>(x0, 2 * t + 1);
+              a[3] = dq4<T>(x1, 2 * t + 1);
+              if (fold) {
+                a[0] = mul2<T>(a[0], s0);
+                a[2] = mul2<T>(a[2], s0);
+                a[1] = mul2<T>(a[1], s1);
+                a[3] = mul2<T>(a[3], s1);
+              }
             }
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const uint32_t lo = word_of(xc[mt][j], t), hi = word_of(xc[mt][j], t + 2);
-              const uint32_t b[2] = {__byte_perm(lo, hi, 0x5410u), __byte_perm(lo, hi, 0x7632u)};
-              mma_16816<T>(part[mt], a, b);
-            }
+            for (int mt = 0; mt < MT; ++mt) mma_16816<T>(part[mt], a, bx[2 * j + t][mt]);
           }
         } else {
           uint32_t a[4];
@@ -599,13 +652,14 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
             a[3] = mul2<T>(a[3], s1);
           }
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            const uint32_t b[2] = {word_of(xc[mt][j / 2], 2 * (j % 2)),
-                                   word_of(xc[mt][j / 2], 2 * (j % 2) + 1)};
-            mma_16816<T>(part[mt], a, b);
-          }
+          for (int mt = 0; mt < MT; ++mt) mma_16816<T>(part[mt], a, bx[j][mt]);
         }
       }
+      if constexpr (OFFSET)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) part[mt][r] -= corr[mt][r];
       const float f0 = p.mode == 1 ? sf0 : 1.f, f1 = p.mode == 1 ? sf1 : 1.f;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -644,10 +698,16 @@ template <typename T, int BITS>
 Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
   const int64_t blocks = ceil_div(p.N, tcv::ROWS);
   if (blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
-  if (p.M <= 8)
-    gemv_tc_kernel<T, BITS, 1><<<static_cast<unsigned>(blocks), tcv::THREADS, 0, stream>>>(p);
-  else
-    gemv_tc_kernel<T, BITS, 2><<<static_cast<unsigned>(blocks), tcv::THREADS, 0, stream>>>(p);
+  const unsigned nb = static_cast<unsigned>(blocks);
+  // int4 with whole-chunk scales (per channel or groups of >= 128): the offset form.
+  const bool offset = BITS == 4 && p.mode != 2;
+  if (p.M <= 8) {
+    if (offset) gemv_tc_kernel<T, BITS, 1, BITS == 4><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else gemv_tc_kernel<T, BITS, 1, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+  } else {
+    if (offset) gemv_tc_kernel<T, BITS, 2, BITS == 4><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else gemv_tc_kernel<T, BITS, 2, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+  }
   return launch_status();
 }
 
