@@ -21,6 +21,8 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #define PG_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define PG_TARGET_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define PG_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #else
 #define PG_X86 0
@@ -161,6 +163,16 @@ Isa active_isa();
 // Writes B(k0 .. k0+kc, n0 .. n0+nc) into dst as ceil(nc / nr) slivers of kc x nr fp32
 // (sliver s, row k at dst[(s * kc + k) * nr]), zero-filling columns past nc. This is
 // how mixed_linear feeds dequantised weights to the same micro-kernels as gemm.
+// True when the bf16 pair (vdpbf16ps) micro-kernels run on this CPU (and are not ruled
+// out by PORTABLE_GEMM_ISA).
+bool has_bf16_pair_kernels();
+
+// Units of elements k0 .. k0+kc of `lines` strided bf16 lines (line r at base + r *
+// line_stride, elements `step` apart) as pairs (k, k + 1) in uint32, transposed into
+// dst[p * ld + r]; lines past nlines are 0 (the pair-kernel panel layout, gemm.cpp).
+void pack_pairs_transposed(const uint16_t* base, int64_t line_stride, int64_t step, int nlines,
+                           int64_t kc, uint32_t* dst, int64_t ld, int lanes);
+
 using PackB = void (*)(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc,
                        int nr, float* dst);
 
@@ -168,6 +180,9 @@ struct DenseProblem {
   int64_t m = 0, n = 0, k = 0;
   ConstMatrix a;                  // m x k, any float dtype and strides
   PackB pack_b = nullptr;         // k x n
+  // The same B as bf16 pair units (see gemm.cpp) for the vdpbf16ps kernels, or null.
+  // Used, with b_ctx, when A is bf16 and the CPU has AVX512-BF16.
+  PackB pack_b_pairs = nullptr;
   const void* b_ctx = nullptr;
   const ConstMatrix* b_matrix = nullptr;  // B itself when it is a dense matrix (gemm)
   const void* bias = nullptr;     // n elements of c's dtype, or null

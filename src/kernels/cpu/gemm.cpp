@@ -83,7 +83,7 @@ struct ScratchSlot {
   std::unique_ptr<float[], AlignedFree> ptr;
   size_t size = 0;
 };
-constexpr int kScratchSlots = 8;  // 6, 7: mixed_linear AMX buffers
+constexpr int kScratchSlots = 8;  // 6, 7: mixed_linear (AMX buffers, bf16 weight rows)
 thread_local ScratchSlot t_scratch[kScratchSlots];
 }  // namespace
 
@@ -515,9 +515,6 @@ PG_TARGET_AVX512 void kern_avx512(int64_t kc, const float* a, const float* b, in
 // pairs (a[i][2p], a[i][2p+1]) as one 32-bit unit per row (broadcast to all lanes), a B
 // sliver pairs (b[2p][j], b[2p+1][j]) per column. Like every vdpbf16ps user (oneDNN
 // included) this flushes bf16 denormals to zero.
-#define PG_TARGET_AVX512_BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
-
 template <int M>
 PG_TARGET_AVX512_BF16 void kern_avx512_bf16(int64_t kp, const float* a, const float* b,
                                             int64_t ldb, const float* in, int64_t ldin,
@@ -712,10 +709,9 @@ void pack_b_dense(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t n
 // (rounded up; an odd last k is paired with 0).
 inline uint32_t pair_unit(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
 
-// Units of elements k0 .. k0+kc of `lines` strided lines (line r at base + r * line_stride,
-// elements `step` apart), transposed into dst[p * ld + r]; lines past nlines are 0.
-void pack_pairs_transposed(const uint16_t* base, int64_t line_stride, int64_t step, int nlines,
-                           int64_t kc, uint32_t* dst, int64_t ld, int lanes) {
+// pack_pairs_transposed (common.h).
+void pack_pairs_transposed_impl(const uint16_t* base, int64_t line_stride, int64_t step,
+                                int nlines, int64_t kc, uint32_t* dst, int64_t ld, int lanes) {
   const int64_t kp = kc / 2;
   if (step == 1 && nlines > 0) {
     // Adjacent elements already form the units: a 32-bit transpose (bit copies through
@@ -742,7 +738,7 @@ void pack_a_pairs(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int6
   const int64_t kp = (kc + 1) / 2;
   for (int64_t s = 0; s * mr < mc; ++s) {
     const int rows = int(std::min<int64_t>(mr, mc - s * mr));
-    pack_pairs_transposed(base + (i0 + s * mr) * a.row_stride + k0 * a.col_stride, a.row_stride,
+    pack_pairs_transposed_impl(base + (i0 + s * mr) * a.row_stride + k0 * a.col_stride, a.row_stride,
                           a.col_stride, rows, kc, dst + s * kp * mr, mr, mr);
   }
 }
@@ -785,13 +781,26 @@ void pack_b_pairs(const ConstMatrix& b, int64_t k0, int64_t kc, int64_t n0, int6
     for (int h = 0; h < nr; h += 16) {
       const int lanes = std::min(16, nr - h);
       const int n = int(std::max<int64_t>(0, std::min<int64_t>(lanes, cols - h)));
-      pack_pairs_transposed(base + (s * nr + h) * b.col_stride, b.col_stride, b.row_stride, n, kc,
+      pack_pairs_transposed_impl(base + (s * nr + h) * b.col_stride, b.col_stride, b.row_stride, n, kc,
                             dst + s * kp * nr + h, nr, lanes);
     }
   }
 }
 
+// PackB form of pack_b_pairs for a dense bf16 B (ctx: the ConstMatrix).
+void pack_b_pairs_dense(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc, int nr,
+                        float* dst) {
+  pack_b_pairs(*static_cast<const ConstMatrix*>(ctx), k0, kc, n0, nc, nr, dst);
+}
+
 }  // namespace
+
+bool has_bf16_pair_kernels() { return bf16_kernel_set() != nullptr; }
+
+void pack_pairs_transposed(const uint16_t* base, int64_t line_stride, int64_t step, int nlines,
+                           int64_t kc, uint32_t* dst, int64_t ld, int lanes) {
+  pack_pairs_transposed_impl(base, line_stride, step, nlines, kc, dst, ld, lanes);
+}
 
 void pack_rows_transposed(const void* const* rows, int nrows, DType t, int64_t kc, float* dst,
                           int64_t ld, int lanes) {
@@ -860,7 +869,7 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
         const bool first = pc == 0, last = pc + kc == K;
         const int64_t ku = pairs ? (kc + 1) / 2 : kc;
         if (pairs) {
-          pack_b_pairs(*p.b_matrix, pc, kc, jc, nc, nr, bp);
+          p.pack_b_pairs(p.b_ctx, pc, kc, jc, nc, nr, bp);
           pack_a_pairs(p.a, mo, mch, pc, kc, mr, ap);
         } else {
           p.pack_b(p.b_ctx, pc, kc, jc, nc, nr, bp);
@@ -1058,8 +1067,7 @@ bool dense_gemm(const DenseProblem& p, const Executor& exec) {
   if (p.b_matrix != nullptr && p.b_matrix->col_stride == 1 && p.m <= kStreamMaxM)
     return stream_gemm(p, ep, exec);
   const KernelSet* pair_set = bf16_kernel_set();
-  const bool use_pairs = pair_set != nullptr && p.b_matrix != nullptr &&
-                         p.a.dtype == DType::bf16 && p.b_matrix->dtype == DType::bf16;
+  const bool use_pairs = pair_set != nullptr && p.pack_b_pairs != nullptr && p.a.dtype == DType::bf16;
   const KernelSet& ks = use_pairs ? *pair_set : kernel_set();
   DenseJob job{&p, &ks, ep, 1, 1, (p.m + ks.mr - 1) / ks.mr, (p.n + ks.nr - 1) / ks.nr};
   int64_t threads = executor_threads(exec);
@@ -1090,6 +1098,7 @@ Status gemm(const GemmArgs& args, const Executor& exec) {
   p.pack_b = pack_b_dense;
   p.b_ctx = &args.b;
   p.b_matrix = &args.b;
+  if (args.b.dtype == DType::bf16) p.pack_b_pairs = pack_b_pairs_dense;
   p.bias = args.bias;
   p.bias_stride = args.bias_stride;
   p.c = args.c;

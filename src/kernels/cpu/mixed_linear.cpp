@@ -1,7 +1,7 @@
 // Weight-only quantised linear: y = act(x @ dequant(w)^T + bias).
 //
 // Two regimes:
-//  * small M (decode, M <= 32): bandwidth-bound on the weight. x is converted once to
+//  * small M (decode, M <= 16 / 32, see kSmallM): bandwidth-bound on the weight. x is converted once to
 //    a contiguous fp32 buffer; threads take blocks of output channels; each weight row
 //    is streamed once per chunk of up to 8 rows of x (later chunks hit L1, the block of
 //    weight rows is a few KB), dequantised in registers and FMA'd against every row of
@@ -9,7 +9,8 @@
 //    reductions happen inside K.
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
-//    the same micro-kernels, blocking and fused epilogue as gemm.
+//    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
+//    AVX512-BF16 as bf16 pairs for the vdpbf16ps kernels, else as fp32.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -28,7 +29,10 @@ namespace cpu {
 
 namespace {
 
-constexpr int64_t kSmallM = 32;  // above this, the dense path wins
+// Above these M the dense path wins (measured, bench/cpu_bench.py): from 17 rows when x
+// is bf16 and the vdpbf16ps kernels run it, from 33 rows on the fp32 kernels.
+constexpr int64_t kSmallM = 32;
+constexpr int64_t kSmallMPairs = 16;
 // bf16 x on AMX from this M up: below it the weight dequantisation (per weight, not per
 // row of x) costs more than the AVX-512 FMA path, which is bandwidth-bound up to M ~ 4.
 constexpr int64_t kAmxMinM = 5;
@@ -150,6 +154,44 @@ void pack_b_quant(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t n
   }
 }
 
+// The same B as bf16 pair units for the vdpbf16ps kernels (bf16 x only): each weight row
+// is dequantised to fp32 (scale included), rounded to bf16 (relative error 2^-9 per
+// weight, as on the AMX path) and the 16 rows are transposed into the pair layout.
+#if PG_X86
+PG_TARGET_AVX512_BF16 void round_row_bf16(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+#endif
+
+void pack_b_quant_pairs(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc, int nr,
+                        float* dst_f) {
+  const QuantizedWeight& w = *static_cast<const QuantizedWeight*>(ctx);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(dst_f);
+  const int64_t kp = (kc + 1) / 2;
+  float* tmp = scratch(5, size_t(kc));
+  uint16_t* rows = reinterpret_cast<uint16_t*>(scratch(6, size_t(8 * kc + 8)));
+  for (int64_t s = 0; s * nr < nc; ++s) {
+    const int64_t cols = std::min<int64_t>(nr, nc - s * nr);
+    for (int h = 0; h < nr; h += 16) {
+      const int lanes = std::min(16, nr - h);
+      const int n = int(std::max<int64_t>(0, std::min<int64_t>(lanes, cols - h)));
+      for (int j = 0; j < n; ++j) {
+        dequant_row(w, n0 + s * nr + h + j, k0, kc, tmp);
+#if PG_X86
+        round_row_bf16(tmp, kc, rows + j * kc);
+#else
+        for (int64_t k = 0; k < kc; ++k) rows[j * kc + k] = f32_to_bf16(tmp[k]);
+#endif
+      }
+      pack_pairs_transposed(rows, kc, 1, n, kc, dst + s * kp * nr + h, nr, lanes);
+    }
+  }
+}
+
 // ---- small-M path ------------------------------------------------------------------
 
 struct SmallJob {
@@ -188,11 +230,20 @@ void small_rows_generic(const SmallJob& job, int64_t n0, int64_t n1, float* res,
 // NB weight rows x MB rows of x. int8: 16 k per step. int4: 32 k per step from 16 bytes;
 // the low nibbles (even k) and high nibbles (odd k) land in two vectors, so x was
 // stored permuted per 32-block (16 even k, then 16 odd k) and no shuffles are needed.
-// Weights are multiplied by their group's scale (per-channel: one group covering the
-// vectorised part of K); the scalar tail only exists per-channel.
+//
+// Work per 16 weights decides the speed at small M (the loads alone would stream at the
+// memory's rate):
+//  * int4: one vpermps per 16 nibbles turns the nibble straight into nibble * scale,
+//    through a 16-entry table rebuilt per row and group (a lane's low 4 bits pick the
+//    entry, so no masking or sign extension either).
+//  * int8: sign-extend, convert, FMA. With few rows of x (FOLD) the scale is applied once
+//    per group to a partial sum instead of once per 16 weights; with more rows the
+//    multiply is shared by MB FMAs and the registers are needed for accumulators.
+// The scalar tail only exists per-channel (group sizes are multiples of step here).
 template <int MB, int NB, bool INT4>
 PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* rows, int64_t m0,
                                          float* out /* [NB][MB] */) {
+  constexpr bool FOLD = !INT4 && MB <= 2;
   const QuantizedWeight& w = job.args->w;
   const int64_t K = job.k;
   constexpr int64_t step = INT4 ? 32 : 16;
@@ -203,24 +254,32 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
   for (int r = 0; r < NB; ++r) q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride;
   const float* x = job.x + m0 * job.ldx;
   const int64_t ldx = job.ldx;
+  // Entry i: the signed nibble i (i < 8 ? i : i - 16).
+  const __m512 nibbles = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
 
   __m512 acc[NB][MB];
   PG_UNROLL for (int r = 0; r < NB; ++r)
     PG_UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
 
   for (int64_t g = 0; g < groups && gs > 0; ++g) {
-    __m512 s[NB];
-    PG_UNROLL for (int r = 0; r < NB; ++r) s[r] = _mm512_set1_ps(scale_at(w, rows[r], g));
+    __m512 s[NB];  // the scale, or (int4) the table of nibble * scale
+    PG_UNROLL for (int r = 0; r < NB; ++r) {
+      s[r] = _mm512_set1_ps(scale_at(w, rows[r], g));
+      if (INT4) s[r] = _mm512_mul_ps(nibbles, s[r]);
+    }
+    __m512 part[FOLD ? NB : 1][FOLD ? MB : 1];
+    if constexpr (FOLD)
+      PG_UNROLL for (int r = 0; r < NB; ++r)
+        PG_UNROLL for (int m = 0; m < MB; ++m) part[r][m] = _mm512_setzero_ps();
     const int64_t kend = (g + 1) * gs;
     for (int64_t k = g * gs; k < kend; k += step) {
       if (INT4) {
         __m512 lo[NB], hi[NB];
         PG_UNROLL for (int r = 0; r < NB; ++r) {
-          const __m512i v = _mm512_cvtepi8_epi32(
+          const __m512i v = _mm512_cvtepu8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + k / 2)));
-          lo[r] = _mm512_mul_ps(
-              _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28)), s[r]);
-          hi[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 4)), s[r]);
+          lo[r] = _mm512_permutexvar_ps(v, s[r]);
+          hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), s[r]);
         }
         PG_UNROLL for (int m = 0; m < MB; ++m) {
           const __m512 xe = _mm512_loadu_ps(x + m * ldx + k);
@@ -232,23 +291,32 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
         }
       } else {
         __m512 wf[NB];
-        PG_UNROLL for (int r = 0; r < NB; ++r)
-          wf[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                    reinterpret_cast<const __m128i*>(q[r] + k)))),
-                                s[r]);
+        PG_UNROLL for (int r = 0; r < NB; ++r) {
+          wf[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + k))));
+          if constexpr (!FOLD) wf[r] = _mm512_mul_ps(wf[r], s[r]);
+        }
         PG_UNROLL for (int m = 0; m < MB; ++m) {
           const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
-          PG_UNROLL for (int r = 0; r < NB; ++r) acc[r][m] = _mm512_fmadd_ps(wf[r], xv, acc[r][m]);
+          PG_UNROLL for (int r = 0; r < NB; ++r) {
+            if constexpr (FOLD)
+              part[r][m] = _mm512_fmadd_ps(wf[r], xv, part[r][m]);
+            else
+              acc[r][m] = _mm512_fmadd_ps(wf[r], xv, acc[r][m]);
+          }
         }
       }
     }
+    if constexpr (FOLD)
+      PG_UNROLL for (int r = 0; r < NB; ++r)
+        PG_UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(part[r][m], s[r], acc[r][m]);
   }
   // Fully unrolled like every access to acc: one non-constant index would force the
   // whole array into memory, with a store per FMA in the loop above.
   PG_UNROLL for (int r = 0; r < NB; ++r)
     PG_UNROLL for (int m = 0; m < MB; ++m) out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
 
-  if (kvec < K) {  // per-channel only: group sizes are multiples of step here
+  if (kvec < K) {  // per-channel only
     for (int r = 0; r < NB; ++r) {
       const float s = scale_at(w, rows[r], 0);
       for (int m = 0; m < MB; ++m) {
@@ -640,12 +708,13 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
   if (M == 0 || N == 0) return st;
   bool ok = false;
   try {
+    const bool pairs = args.x.dtype == DType::bf16 && has_bf16_pair_kernels();
 #if PG_X86
     if (K > 0 && M >= kAmxMinM && amx_usable(args)) {
       ok = amx_linear(args, exec);
     } else
 #endif
-    if (M <= kSmallM || K == 0) {
+    if (M <= (pairs ? kSmallMPairs : kSmallM) || K == 0) {
       ok = small_m(args, exec);
     } else {
       DenseProblem p;
@@ -654,6 +723,7 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
       p.k = K;
       p.a = args.x;
       p.pack_b = pack_b_quant;
+      if (pairs) p.pack_b_pairs = pack_b_quant_pairs;
       p.b_ctx = &args.w;
       p.bias = args.bias;
       p.bias_stride = args.bias_stride;
