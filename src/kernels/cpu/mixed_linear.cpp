@@ -273,6 +273,11 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
         PG_UNROLL for (int m = 0; m < MB; ++m) part[r][m] = _mm512_setzero_ps();
     const int64_t kend = (g + 1) * gs;
     for (int64_t k = g * gs; k < kend; k += step) {
+      // One row of x: the weight streams are all there is; a software prefetch 512 bytes
+      // ahead per row gained 4-8% on the 2-core dev machine (none with more rows).
+      if (MB == 1 && (k & 63) == 0)
+        PG_UNROLL for (int r = 0; r < NB; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + (INT4 ? k / 2 : k) + 512, _MM_HINT_T0);
       if (INT4) {
         __m512 lo[NB], hi[NB];
         PG_UNROLL for (int r = 0; r < NB; ++r) {
