@@ -51,7 +51,14 @@ def _cpu_bindings(manifest: dict) -> dict[str, dict]:
 
 
 def _targets_newest_first(manifest: dict) -> list[str]:
-    return sorted(_cpu_bindings(manifest), key=lambda t: tuple(int(x) for x in t.split(".")), reverse=True)
+    """The targets the loader may pick under the running torch (target <= torch), newest
+    first: the order in which it tries them. Other targets are rejected by version before
+    any file is looked at, so damaging them proves nothing."""
+    import torch
+
+    runtime = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    key = lambda t: tuple(int(x) for x in t.split("."))  # noqa: E731
+    return sorted((t for t in _cpu_bindings(manifest) if key(t) <= runtime), key=key, reverse=True)
 
 
 def copy_package(root: Path, name: str = "portable_gemm") -> Path:
@@ -168,16 +175,24 @@ def prepare_cases(base: Path) -> dict[str, Case]:
     # one damage per target, newest first: missing, garbage, truncated inside the ELF
     # header, a valid ELF that is not a binding (the kernel library under the binding's
     # name); the loader must walk down to the oldest target and say why each was rejected
+    # (as many damages as there are eligible targets to spare: 4 under torch >= 2.13, 2
+    # under torch 2.11; cascade_damages() says which)
     root, pkg = new("cascade")
     lib = pkg / "lib"
-    (lib / files[targets[0]]).unlink()
-    (lib / files[targets[1]]).write_bytes(hashlib.sha512(b"x").digest() * 4096)
-    (lib / files[targets[2]]).write_bytes((lib / files[targets[2]]).read_bytes()[:100])
-    shutil.copy2(lib / "libportable_gemm_kernels.so", lib / files[targets[3]])
+    n = len(cascade_damages(targets))
     m = json.loads(json.dumps(m0))
-    for b in m["binaries"]:
-        if b.get("target") == targets[3] and b.get("kind") == "binding":
-            b["sha256"] = hashlib.sha256((lib / files[targets[3]]).read_bytes()).hexdigest()
+    for i, t in enumerate(targets[:n]):
+        if i == 0:
+            (lib / files[t]).unlink()
+        elif i == 1:
+            (lib / files[t]).write_bytes(hashlib.sha512(b"x").digest() * 4096)
+        elif i == 2:
+            (lib / files[t]).write_bytes((lib / files[t]).read_bytes()[:100])
+        else:
+            shutil.copy2(lib / "libportable_gemm_kernels.so", lib / files[t])
+            for b in m["binaries"]:
+                if b.get("target") == t and b.get("kind") == "binding":
+                    b["sha256"] = hashlib.sha256((lib / files[t]).read_bytes()).hexdigest()
     _write_manifest(pkg, m)
     cases["cascade"] = Case("cascade", root, script(root))
 
@@ -412,21 +427,28 @@ def expect_import_error(case: Case, *needles: str):
     return rep
 
 
+def cascade_damages(ts: list[str]) -> list[str]:
+    """Expected rejection reasons, newest target first: one damage per eligible target but
+    the oldest, which must then be the one loaded."""
+    return [r"is missing from",
+            r"failed to load: .*(not a 64-bit little-endian ELF|invalid ELF header)",
+            r"failed to load: .*(truncated|not a 64-bit little-endian ELF|file too short)",
+            r"not a portable_gemm binding \(no entry points\)"][: len(ts) - 1]
+
+
 def test_damaged_bindings_fall_back_one_by_one(cases):
     rc, rep, out, err = cases["cascade"].result()
     _no_signal(rc, err, "cascade")
     assert rc == 0, err[-3000:]
     ts = targets()
-    assert rep["ok"] and rep["gemm"] and rep["target"] == ts[4], rep
-    want = {ts[0]: r"is missing from",
-            ts[1]: r"failed to load: .*(not a 64-bit little-endian ELF|invalid ELF header)",
-            ts[2]: r"failed to load: .*(truncated|not a 64-bit little-endian ELF|file too short)",
-            ts[3]: r"not a portable_gemm binding \(no entry points\)"}
+    want = cascade_damages(ts)
+    assert len(want) >= 2, f"needs a torch with >= 3 eligible targets, got {ts}"
+    assert rep["ok"] and rep["gemm"] and rep["target"] == ts[len(want)], rep
     import re
-    for t, pattern in want.items():
+    for t, pattern in zip(ts, want):
         status, reason = rep["candidates"][t]
         assert status == "rejected" and re.search(pattern, reason), (t, status, reason)
-    assert rep["candidates"][ts[4]][0] == "loaded"
+    assert rep["candidates"][ts[len(want)]][0] == "loaded"
     assert all(v == [True, True] for v in rep["state"].values()), rep["state"]
 
 

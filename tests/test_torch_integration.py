@@ -82,3 +82,27 @@ def test_mixed_linear_autograd(device):
     torch.testing.assert_close(dx.cpu().double(), rx, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(dbias.cpu().double(), rb, rtol=1e-4, atol=1e-4)
     assert not q.requires_grad and not s.requires_grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wrappers_skip_autograd_only_when_no_grad_is_needed(device):
+    # The wrappers bypass the autograd key when nothing needs a gradient (host time per
+    # call); the result must equal the torch.ops call bit for bit, and a gradient must
+    # still flow as soon as an input requires one (also with grad mode toggled).
+    ops = getattr(torch.ops, pg.info()["namespace"])
+    a, b = rand((5, 32), torch.float32, device), rand((32, 7), torch.float32, device)
+    w = rand((7, 64), torch.bfloat16, device)
+    q, s = pg.quantize_weight(w, bits=4, group_size=32)
+    x = rand((3, 64), torch.bfloat16, device)
+    assert torch.equal(pg.gemm(a, b, activation="relu"), ops.gemm(a, b, None, 1))
+    assert torch.equal(pg.mixed_linear(x, q, s, bits=4, group_size=32), ops.mixed_linear(x, q, s, 4, 32, None, 0))
+    assert pg.gemm(a, b).grad_fn is None
+    ar = a.clone().requires_grad_()
+    y = pg.gemm(ar, b)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert torch.allclose(ar.grad, b.sum(1).expand(5, 32), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert pg.gemm(ar, b).grad_fn is None
+    xr = x.clone().requires_grad_()
+    assert pg.mixed_linear(xr, q, s, bits=4, group_size=32).grad_fn is not None

@@ -12,12 +12,34 @@ from ._namespace import NAMESPACE
 
 _load()  # the schemas must exist before fake kernels and autograd attach to them
 
+# The fake kernels and autograd formulas below are registered through one Library object.
+# importlib.reload re-runs this file in the same module: the previous run's registrations
+# are dropped first (torch < 2.13 refuses a second register_fake for an operator).
+if globals().get("_LIB") is not None:
+    _LIB._destroy()
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2, "gelu": 3}
 GROUP_SIZES = (32, 64, 128)
 
 
 def _ops():
     return getattr(torch.ops, NAMESPACE)
+
+
+# Calls that need no gradient skip the autograd dispatch key: the Python autograd kernel
+# that torch.library.register_autograd installs runs on every call otherwise, even without
+# grad, and costs more host time than the rest of a decode-size call (measured in
+# bench/GPU_NOTES.md, run 14). Not while torch.compile traces (it sees the plain op).
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def _needs_autograd(*tensors) -> bool:
+    """True when the call must go through the autograd key: a tensor that needs a
+    gradient, or a torch.compile trace."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _activation_code(activation: str) -> int:
@@ -40,7 +62,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
          activation: str = "none") -> torch.Tensor:
     """act(a @ b + bias): a [..., K], b [K, N] (fp32/fp16/bf16, one dtype, any strides,
     CPU or CUDA), bias [N]; accumulates in fp32; returns [..., N] in a's dtype."""
-    return _ops().gemm(a, b, bias, _activation_code(activation))
+    act = _activation_code(activation)
+    if _needs_autograd(a, b, bias):
+        return _ops().gemm(a, b, bias, act)
+    with _below_autograd():
+        return _ops().gemm(a, b, bias, act)
 
 
 def quantize_weight(weight: torch.Tensor, *, bits: int,
@@ -59,8 +85,11 @@ def mixed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
                  activation: str = "none") -> torch.Tensor:
     """Weight-only quantised linear: act(x @ dequant(qweight).T + bias), x [..., K]
     (fp16/bf16, and fp32), qweight/scales from quantize_weight; returns [..., N] in x's dtype."""
-    return _ops().mixed_linear(x, qweight, scales, bits, _group_code(group_size), bias,
-                               _activation_code(activation))
+    group, act = _group_code(group_size), _activation_code(activation)
+    if _needs_autograd(x, bias):
+        return _ops().mixed_linear(x, qweight, scales, bits, group, bias, act)
+    with _below_autograd():
+        return _ops().mixed_linear(x, qweight, scales, bits, group, bias, act)
 
 
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
@@ -85,7 +114,7 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
 
 # ---- fake kernels: shapes and dtypes only -----------------------------------------------
 
-@torch.library.register_fake(f"{NAMESPACE}::gemm")
+@torch.library.register_fake(f"{NAMESPACE}::gemm", lib=_LIB)
 def _gemm_fake(a, b, bias=None, activation=0):
     torch._check(a.dim() >= 1, lambda: "a must have shape [..., K]")
     torch._check(b.dim() == 2, lambda: "b must have shape [K, N]")
@@ -94,7 +123,7 @@ def _gemm_fake(a, b, bias=None, activation=0):
     return a.new_empty((*a.shape[:-1], b.shape[1]))
 
 
-@torch.library.register_fake(f"{NAMESPACE}::quantize_weight")
+@torch.library.register_fake(f"{NAMESPACE}::quantize_weight", lib=_LIB)
 def _quantize_fake(weight, bits, group_size=0):
     torch._check(weight.dim() == 2, lambda: "weight must be [N, K]")
     torch._check(bits in (4, 8), lambda: f"bits must be 4 or 8, got {bits}")
@@ -104,7 +133,7 @@ def _quantize_fake(weight, bits, group_size=0):
     return q, scales
 
 
-@torch.library.register_fake(f"{NAMESPACE}::mixed_linear")
+@torch.library.register_fake(f"{NAMESPACE}::mixed_linear", lib=_LIB)
 def _mixed_linear_fake(x, qweight, scales, bits, group_size=0, bias=None, activation=0):
     torch._check(qweight.dim() == 2, lambda: "qweight must be 2-D")
     k = x.shape[-1]
@@ -150,7 +179,7 @@ def _gemm_backward(ctx, grad):
     return grad_a, grad_b, grad_bias, None
 
 
-torch.library.register_autograd(f"{NAMESPACE}::gemm", _gemm_backward, setup_context=_gemm_setup)
+torch.library.register_autograd(f"{NAMESPACE}::gemm", _gemm_backward, setup_context=_gemm_setup, lib=_LIB)
 
 
 def _mixed_setup(ctx, inputs, output):
@@ -174,4 +203,5 @@ def _mixed_backward(ctx, grad):
     return grad_x, None, None, None, None, grad_bias, None
 
 
-torch.library.register_autograd(f"{NAMESPACE}::mixed_linear", _mixed_backward, setup_context=_mixed_setup)
+torch.library.register_autograd(f"{NAMESPACE}::mixed_linear", _mixed_backward,
+                                setup_context=_mixed_setup, lib=_LIB)
