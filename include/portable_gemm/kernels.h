@@ -152,6 +152,15 @@ namespace cuda {
 PG_API Status gemm(const GemmArgs& args, void* stream);
 PG_API Status mixed_linear(const MixedLinearArgs& args, void* stream);
 PG_API Status quantize(const QuantizeArgs& args, void* stream);
+// The pieces of "dequantise, then a dense GEMM" for weight-only linears with many rows of
+// x (the torch binding runs torch's matmul between them): rows n0 .. n0+rows of w
+// dequantised (scale applied, rounded once) into dst [rows, K] (f16 / bf16, unit column
+// stride); and out[m, n0 + j] = act(src[m, j] + bias[n0 + j]) (bias may be null; src
+// [M, cols] of out's dtype, unit column stride).
+PG_API Status dequantize_rows(const QuantizedWeight& w, int64_t n0, int64_t rows, Matrix dst,
+                              void* stream);
+PG_API Status bias_act_store(ConstMatrix src, int64_t n0, const void* bias, int64_t bias_stride,
+                             Activation act, Matrix out, void* stream);
 // cudaGetErrorString of the library's own runtime (static cudart).
 PG_API const char* error_string(int32_t code);
 // For callers without an allocator of their own (the DLPack door): device memory on

@@ -3,7 +3,9 @@
 // under a CUDA build of torch (it needs libtorch_cuda.so).
 #include <torch/csrc/stable/accelerator.h>
 
+#include "compat/alloc.h"
 #include "compat/cuda_check.h"
+#include "compat/tensor_access.h"
 #include "compat/cuda_stream.h"
 #include "ops_common.h"
 
@@ -25,8 +27,32 @@ struct CudaBackend {
   static void run(const GemmArgs& a, const Tensor& like, const char*) {
     launch(a, like, cuda::gemm);
   }
-  static void run(const MixedLinearArgs& a, const Tensor& like, const char*) {
-    launch(a, like, cuda::mixed_linear);
+  // More rows of x than the small-M kernels take (f16 / bf16 x, M > 16): dequantise the
+  // weight into a temporary, multiply with torch's own matmul (cuBLAS) and apply bias and
+  // activation while storing. The library's mma.sync GEMM reaches ~0.2x cuBLAS there
+  // (bench/GPU_NOTES.md, run 15); this costs one extra write + read of the weight in 16
+  // bits per call. Weights whose 16-bit copy would exceed kMaxTempBytes keep the library's
+  // GEMM: splitting them into row chunks was measured 7x slower (run 17: chunks of 4681
+  // rows gave cuBLAS an odd leading dimension).
+  static constexpr int64_t kSmallM = 16;
+  static constexpr int64_t kMaxTempBytes = int64_t(512) << 20;
+  static void run(const MixedLinearArgs& a, const Tensor& x, const char*) {
+    const bool half = a.x.dtype == DType::f16 || a.x.dtype == DType::bf16;
+    const int64_t N = a.w.n, K = a.w.k;
+    if (a.x.rows <= kSmallM || !half || K == 0 || N > kMaxTempBytes / (2 * K)) {
+      launch(a, x, cuda::mixed_linear);
+      return;
+    }
+    const int32_t device = x.get_device_index();
+    torch::stable::accelerator::DeviceGuard guard(device);
+    void* stream = compat::current_cuda_stream(device);
+    Tensor w = compat::new_output(x, {N, K}, x.scalar_type());
+    PG_CUDA_CHECK(cuda::dequantize_rows(a.w, 0, N, Matrix{compat::mutable_data(w), N, K, K, 1, a.x.dtype},
+                                        stream).code);
+    // [..., K] @ [K, N]: a contiguous [..., N], i.e. M rows of N.
+    Tensor y = torch::stable::matmul(x, torch::stable::transpose(w, 0, 1));
+    PG_CUDA_CHECK(cuda::bias_act_store(ConstMatrix{compat::const_data(y), a.x.rows, N, N, 1, a.x.dtype}, 0,
+                                       a.bias, a.bias_stride, a.activation, a.y, stream).code);
   }
   static void run(const QuantizeArgs& a, const Tensor& like, const char*) {
     launch(a, like, cuda::quantize);

@@ -14,6 +14,10 @@ Status unavailable() { return Status{1, kNoCuda}; }
 Status gemm(const GemmArgs&, void*) { return unavailable(); }
 Status mixed_linear(const MixedLinearArgs&, void*) { return unavailable(); }
 Status quantize(const QuantizeArgs&, void*) { return unavailable(); }
+Status dequantize_rows(const QuantizedWeight&, int64_t, int64_t, Matrix, void*) { return unavailable(); }
+Status bias_act_store(ConstMatrix, int64_t, const void*, int64_t, Activation, Matrix, void*) {
+  return unavailable();
+}
 Status device_alloc(void**, size_t, int32_t) { return unavailable(); }
 void device_free(void*, int32_t) {}
 Status set_device(int32_t, int32_t*) { return unavailable(); }
