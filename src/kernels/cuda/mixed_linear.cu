@@ -3,7 +3,9 @@
 //   M <= 16, f16/bf16 x (aligned, K % 128 (int4) / 64 (int8) == 0): tensor-core GEMV
 //                   (mma.sync, weight dequantised in registers into the A fragment).
 //   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
-//   M > 16, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the fly.
+//   M > 16, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the fly
+//                   (the torch binding sends these to dequantize_rows + torch's matmul
+//                   instead, see src/torch/cuda_ops.cpp; the DLPack door runs this one).
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
