@@ -1,8 +1,8 @@
 // Weight-only quantised linear: y = act(x @ dequant(w)^T + bias).
 //
 // Two regimes:
-//  * small M (decode, M <= 16 / 32, see kSmallM): bandwidth-bound on the weight. x is converted once to
-//    a contiguous fp32 buffer; threads take blocks of output channels; each weight row
+//  * small M (decode; M <= 16 or 32, see kSmallM): bandwidth-bound on the weight. x is
+//    converted once to a contiguous fp32 buffer; threads take blocks of output channels; each weight row
 //    is streamed once per chunk of up to 8 rows of x (later chunks hit L1, the block of
 //    weight rows is a few KB), dequantised in registers and FMA'd against every row of
 //    the chunk. Group scales are folded into the dequantised weights, so no horizontal
