@@ -2,11 +2,11 @@
 //
 // Two regimes:
 //  * small M (decode; M <= 16 or 32, see kSmallM): bandwidth-bound on the weight. x is
-//    converted once to a contiguous fp32 buffer; threads take blocks of output channels; each weight row
-//    is streamed once per chunk of up to 8 rows of x (later chunks hit L1, the block of
-//    weight rows is a few KB), dequantised in registers and FMA'd against every row of
-//    the chunk. Group scales are folded into the dequantised weights, so no horizontal
-//    reductions happen inside K.
+//    converted once to a contiguous fp32 buffer; threads take blocks of output channels;
+//    each weight row is streamed once per chunk of up to 8 rows of x (later chunks hit
+//    L1, the block of weight rows is a few KB), dequantised in registers and FMA'd
+//    against every row of the chunk. Group scales are applied per group (see
+//    small_block_avx512), so no horizontal reductions happen inside K.
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
