@@ -2,7 +2,9 @@
 //
 // Two regimes:
 //  * small M (decode; M <= 16 or 32, see kSmallM): bandwidth-bound on the weight. x is
-//    converted once to a contiguous fp32 buffer; threads take blocks of output channels;
+//    converted once to a contiguous fp32 buffer (bf16 x with per-channel scales on
+//    AVX512-BF16 CPUs: also a bf16 copy, see small_block_bf16); threads take blocks of
+//    output channels;
 //    each weight row is streamed once per chunk of up to 8 rows of x (later chunks hit
 //    L1, the block of weight rows is a few KB), dequantised in registers and FMA'd
 //    against every row of the chunk. Group scales are applied per group (see
@@ -29,10 +31,19 @@ namespace cpu {
 
 namespace {
 
-// Above these M the dense path wins (measured, bench/cpu_bench.py): from 17 rows when x
-// is bf16 and the vdpbf16ps kernels run it, from 33 rows on the fp32 kernels.
+// Above these M the dense path wins (measured A/B on the dev machine): from 17 rows when x
+// is bf16 and the vdpbf16ps GEMM runs it, unless the small path uses vdpbf16ps as well
+// (per-channel scales); from 33 rows otherwise.
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kSmallMPairs = 16;
+
+bool has_bf16_x_pairs(const MixedLinearArgs& a) {
+  return a.x.dtype == DType::bf16 && has_bf16_pair_kernels();
+}
+// The vdpbf16ps small-M block applies (per-channel scales, a vector of K).
+bool small_m_bf16(const MixedLinearArgs& a) {
+  return has_bf16_x_pairs(a) && a.w.group_size == 0 && a.w.k >= 32;
+}
 // bf16 x on AMX from this M up: below it the weight dequantisation (per weight, not per
 // row of x) costs more than the AVX-512 FMA path, which is bandwidth-bound up to M ~ 4.
 constexpr int64_t kAmxMinM = 5;
@@ -201,6 +212,10 @@ struct SmallJob {
   int64_t m, n, k;
   Epilogue ep;
   bool vector_path;
+  // bf16 x, per-channel scales, AVX512-BF16: x also as bf16 in the lane order of the
+  // dequantised weights (int4: per 32 k, the 16 even k then the 16 odd k), for vdpbf16ps.
+  const uint16_t* xb = nullptr;
+  int64_t ldxb = 0;
   mutable std::atomic<bool> failed{false};
 };
 
@@ -337,6 +352,65 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
   }
 }
 
+// The same block for bf16 x and per-channel scales with vdpbf16ps: 32 k per step, the
+// int8 / int4 values as bf16 pairs (exact), one vdpbf16ps per row of x doing the work of
+// two FMAs, the scale applied to the fp32 sums. (Group scales would need a partial sum
+// per group next to each accumulator, or q * s rounded to bf16; the first halves the
+// block and lost the gain, the second broke the fuzz tolerance: those keep the FMA path.)
+// x is the job's bf16 copy in the weights' lane order.
+template <int MB, int NB, bool INT4>
+PG_TARGET_AVX512_BF16 void small_block_bf16(const SmallJob& job, const int64_t* rows, int64_t m0,
+                                            float* out /* [NB][MB] */) {
+  const QuantizedWeight& w = job.args->w;
+  const int64_t K = job.k;
+  const int64_t kvec = K / 32 * 32;
+  const uint8_t* q[NB];
+  for (int r = 0; r < NB; ++r) q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride;
+  const uint16_t* xb = job.xb + m0 * job.ldxb;
+  const int64_t ldxb = job.ldxb;
+  // Entry i: the signed nibble i (i < 8 ? i : i - 16).
+  const __m512 nibbles = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+
+  __m512 acc[NB][MB];
+  PG_UNROLL for (int r = 0; r < NB; ++r)
+    PG_UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kvec; k += 32) {
+    __m512bh wp[NB];
+    PG_UNROLL for (int r = 0; r < NB; ++r) {
+      if (INT4) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + k / 2)));
+        wp[r] = _mm512_cvtne2ps_pbh(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), nibbles),
+                                    _mm512_permutexvar_ps(v, nibbles));
+      } else {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(q[r]) + k;
+        const __m512 a = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
+        const __m512 b = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
+        wp[r] = _mm512_cvtne2ps_pbh(b, a);  // a (k .. k+15) in the low half
+      }
+    }
+    PG_UNROLL for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * ldxb + k);
+      PG_UNROLL for (int r = 0; r < NB; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wp[r], xv);
+    }
+  }
+  const float* x = job.x + m0 * job.ldx;
+  for (int r = 0; r < NB; ++r) {
+    const float sc = scale_at(w, rows[r], 0);
+    for (int m = 0; m < MB; ++m) {
+      float sum = _mm512_reduce_add_ps(acc[r][m]);
+      const float* xm = x + m * job.ldx;
+      for (int64_t k = kvec; k < K; ++k) {
+        const int v = INT4 ? nibble(q[r], k) : reinterpret_cast<const int8_t*>(q[r])[k];
+        sum += float(v) * xm[k];
+      }
+      out[r * MB + m] = sum * sc;
+    }
+  }
+}
+
 // Register budget (32 zmm): NB x MB accumulators + NB (int4: 2 NB) dequantised weight
 // vectors + the x operand. MB = 8 pairs with NB = 2; smaller MB takes NB = 4 so that
 // each x load feeds four FMAs and four independent weight streams are in flight.
@@ -348,7 +422,10 @@ void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, 
   int64_t rows[NB];
   for (int r = 0; r < NB; ++r) rows[r] = n + std::min(r, nb - 1);
   float out[NB * MB];
-  small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
+  if (job.xb != nullptr)
+    small_block_bf16<MB, NB, INT4>(job, rows, m0, out);
+  else
+    small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
   for (int r = 0; r < nb; ++r)
     for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
 }
@@ -436,6 +513,26 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
     for (int64_t k = kvec; k < K; ++k) xm[k] = tmp[k];
   }
   job.x = x;
+  if (job.vector_path && args.w.group_size == 0 && small_m_bf16(args)) {
+    job.ldxb = (K + 31) / 32 * 32;
+    uint16_t* xbuf = reinterpret_cast<uint16_t*>(scratch(1, size_t(M * job.ldxb / 2 + 16)));
+    const uint16_t* src = static_cast<const uint16_t*>(args.x.data);
+    const int64_t cs = args.x.col_stride, kvec = K / 32 * 32;
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* row = src + m * args.x.row_stride;
+      uint16_t* d = xbuf + m * job.ldxb;
+      if (args.w.bits == 4) {
+        for (int64_t b = 0; b < kvec; b += 32)
+          for (int j = 0; j < 16; ++j) {
+            d[b + j] = row[(b + 2 * j) * cs];
+            d[b + 16 + j] = row[(b + 2 * j + 1) * cs];
+          }
+      } else {
+        for (int64_t k = 0; k < kvec; ++k) d[k] = row[k * cs];
+      }
+    }
+    job.xb = xbuf;
+  }
   const int64_t threads = executor_threads(exec);
   // Threads get contiguous blocks of whole weight rows, at least 16 each, and only
   // when the weight is big enough to amortise waking them.
@@ -713,13 +810,13 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
   if (M == 0 || N == 0) return st;
   bool ok = false;
   try {
-    const bool pairs = args.x.dtype == DType::bf16 && has_bf16_pair_kernels();
+    const bool pairs = has_bf16_x_pairs(args);
 #if PG_X86
     if (K > 0 && M >= kAmxMinM && amx_usable(args)) {
       ok = amx_linear(args, exec);
     } else
 #endif
-    if (M <= (pairs ? kSmallMPairs : kSmallM) || K == 0) {
+    if (M <= (pairs && !small_m_bf16(args) ? kSmallMPairs : kSmallM) || K == 0) {
       ok = small_m(args, exec);
     } else {
       DenseProblem p;
