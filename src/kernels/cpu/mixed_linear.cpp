@@ -241,7 +241,21 @@ void small_rows_generic(const SmallJob& job, int64_t n0, int64_t n1, float* res,
   }
 }
 
+// Sum over k in [k0, k1) of q(k) * x[k]: the scalar tail of the vector blocks below (per
+// channel only; group sizes are multiples of the vector step).
+inline float tail_dot(const uint8_t* q, bool int4, const float* x, int64_t k0, int64_t k1) {
+  float sum = 0.f;
+  for (int64_t k = k0; k < k1; ++k)
+    sum += float(int4 ? nibble(q, k) : reinterpret_cast<const int8_t*>(q)[k]) * x[k];
+  return sum;
+}
+
 #if PG_X86
+// Entry i: the signed nibble i (i < 8 ? i : i - 16), for vpermps lookups of int4 values.
+PG_TARGET_AVX512 inline __m512 nibble_table() {
+  return _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+}
+
 // NB weight rows x MB rows of x. int8: 16 k per step. int4: 32 k per step from 16 bytes;
 // the low nibbles (even k) and high nibbles (odd k) land in two vectors, so x was
 // stored permuted per 32-block (16 even k, then 16 odd k) and no shuffles are needed.
@@ -269,8 +283,7 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
   for (int r = 0; r < NB; ++r) q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride;
   const float* x = job.x + m0 * job.ldx;
   const int64_t ldx = job.ldx;
-  // Entry i: the signed nibble i (i < 8 ? i : i - 16).
-  const __m512 nibbles = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 nibbles = nibble_table();
 
   __m512 acc[NB][MB];
   PG_UNROLL for (int r = 0; r < NB; ++r)
@@ -336,20 +349,10 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
   PG_UNROLL for (int r = 0; r < NB; ++r)
     PG_UNROLL for (int m = 0; m < MB; ++m) out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
 
-  if (kvec < K) {  // per-channel only
-    for (int r = 0; r < NB; ++r) {
-      const float s = scale_at(w, rows[r], 0);
-      for (int m = 0; m < MB; ++m) {
-        const float* xm = x + m * ldx;
-        float sum = 0.f;
-        for (int64_t k = kvec; k < K; ++k) {
-          const int v = INT4 ? nibble(q[r], k) : reinterpret_cast<const int8_t*>(q[r])[k];
-          sum += float(v) * xm[k];
-        }
-        out[r * MB + m] += sum * s;
-      }
-    }
-  }
+  if (kvec < K)  // per-channel only
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m)
+        out[r * MB + m] += tail_dot(q[r], INT4, x + m * ldx, kvec, K) * scale_at(w, rows[r], 0);
 }
 
 // The same block for bf16 x and per-channel scales with vdpbf16ps: 32 k per step, the
@@ -368,8 +371,7 @@ PG_TARGET_AVX512_BF16 void small_block_bf16(const SmallJob& job, const int64_t* 
   for (int r = 0; r < NB; ++r) q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride;
   const uint16_t* xb = job.xb + m0 * job.ldxb;
   const int64_t ldxb = job.ldxb;
-  // Entry i: the signed nibble i (i < 8 ? i : i - 16).
-  const __m512 nibbles = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 nibbles = nibble_table();
 
   __m512 acc[NB][MB];
   PG_UNROLL for (int r = 0; r < NB; ++r)
@@ -397,18 +399,10 @@ PG_TARGET_AVX512_BF16 void small_block_bf16(const SmallJob& job, const int64_t* 
     }
   }
   const float* x = job.x + m0 * job.ldx;
-  for (int r = 0; r < NB; ++r) {
-    const float sc = scale_at(w, rows[r], 0);
-    for (int m = 0; m < MB; ++m) {
-      float sum = _mm512_reduce_add_ps(acc[r][m]);
-      const float* xm = x + m * job.ldx;
-      for (int64_t k = kvec; k < K; ++k) {
-        const int v = INT4 ? nibble(q[r], k) : reinterpret_cast<const int8_t*>(q[r])[k];
-        sum += float(v) * xm[k];
-      }
-      out[r * MB + m] = sum * sc;
-    }
-  }
+  PG_UNROLL for (int r = 0; r < NB; ++r)
+    PG_UNROLL for (int m = 0; m < MB; ++m)
+      out[r * MB + m] = scale_at(w, rows[r], 0) *
+                        (_mm512_reduce_add_ps(acc[r][m]) + tail_dot(q[r], INT4, x + m * job.ldx, kvec, K));
 }
 
 // Register budget (32 zmm): NB x MB accumulators + NB (int4: 2 NB) dequantised weight
