@@ -161,23 +161,28 @@ def bench_weight_only(quick: bool, ceil: dict) -> list[dict]:
 def bench_dense(quick: bool, ceil: dict) -> list[dict]:
     rows = []
     torch.backends.cuda.matmul.allow_tf32 = False
-    sizes = [(s, s, s) for s in ((2048, 8192) if quick else (1024, 2048, 4096, 8192))]
+    # Squares with b row-major [K, N]; the Llama shapes as nn.Linear has them, b = weight.t()
+    # of a [N, K] weight (K contiguous): both B layouts of the kernels are timed.
+    sizes = [(s, s, s, "row") for s in ((2048, 8192) if quick else (1024, 2048, 4096, 8192))]
     if not quick:
-        sizes += [(4096, k, n) for k, n in WEIGHT_SHAPES]
+        sizes += [(4096, k, n, "weight.t") for k, n in WEIGHT_SHAPES]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for m, k, n in sizes:
+        for m, k, n, b_layout in sizes:
             if dtype == torch.float32 and m * k * n > 4096**3:
                 continue
             a = torch.randn(m, k, device="cuda", dtype=dtype)
-            b = torch.randn(k, n, device="cuda", dtype=dtype)
+            if b_layout == "row":
+                b = torch.randn(k, n, device="cuda", dtype=dtype)
+            else:
+                b = torch.randn(n, k, device="cuda", dtype=dtype).t()
             iters = 5 if m * k * n >= 4096**3 else 20
             t_ours, spread = event_time_us(lambda i=0: pg.gemm(a, b), iters)
             t_ref, _ = event_time_us(lambda i=0: torch.matmul(a, b), iters)
             tf = 2 * m * n * k / (t_ours * 1e-6) / 1e12
-            rows.append({"dtype": str(dtype)[6:], "M": m, "K": k, "N": n, "ours_us": t_ours,
+            rows.append({"dtype": str(dtype)[6:], "M": m, "K": k, "N": n, "b": b_layout, "ours_us": t_ours,
                          "ours_spread_us": spread, "torch_us": t_ref, "ours_TFLOPs": tf,
                          "ratio_vs_torch": t_ref / t_ours})
-            print(f"  {str(dtype)[6:]:<8} {m}x{k}x{n}: ours {t_ours:9.1f} us ({tf:6.1f} TFLOP/s)  "
+            print(f"  {str(dtype)[6:]:<8} {m}x{k}x{n} b={b_layout:<8}: ours {t_ours:9.1f} us ({tf:6.1f} TFLOP/s)  "
                   f"torch {t_ref:9.1f} us  ratio {t_ref / t_ours:.2f}", flush=True)
     return rows
 
@@ -210,6 +215,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (fits a short device call)")
     ap.add_argument("--skip-dense", action="store_true")
+    ap.add_argument("--skip-weight-only", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device", file=sys.stderr)
@@ -225,12 +231,13 @@ def main() -> int:
     print("gpu_bench:", json.dumps(meta))
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, cuBLAS bf16 8192^3 {ceil['cublas_bf16_8192_TFLOPs']:.0f} TFLOP/s")
-    print("weight-only (bf16 activations):")
-    wo = bench_weight_only(args.quick, ceil)
+    wo = [] if args.skip_weight_only else (print("weight-only (bf16 activations):")
+                                           or bench_weight_only(args.quick, ceil))
     dense = [] if args.skip_dense else (print("dense:") or bench_dense(args.quick, ceil))
     result = {"meta": meta, "ceilings": ceil, "weight_only": wo, "dense": dense}
     (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
-    plot(wo, ceil, out / "gpu_bench.png")
+    if wo:
+        plot(wo, ceil, out / "gpu_bench.png")
     print(f"wrote {out / 'gpu_bench.json'} and {out / 'gpu_bench.png'}")
     return 0
 

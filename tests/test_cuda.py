@@ -77,3 +77,64 @@ def test_cpu_and_cuda_mixed_is_an_error():
     q, s = pg.quantize_weight(w, bits=8)
     with pytest.raises(RuntimeError, match="move all inputs to one device"):
         pg.mixed_linear(rand((2, 64), torch.bfloat16, "cuda"), q, s, bits=8)
+
+
+def _cuda_kernels_run(fn) -> list[str]:
+    """Names of the CUDA kernels fn() launched (CUPTI through torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _sm90_gemm_built() -> str | None:
+    cuda = pg.info()["manifest"]["toolchain"]["cuda"] or {}
+    return cuda.get("sm90_gemm") or None
+
+
+def _is_sm90() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+# (M, K, N) that qualify for the sm_90 CUTLASS path: partial tiles in M and N (128 x 256
+# tiles), K not a multiple of the 64-wide k-block, and a multi-wave problem.
+SM90_SHAPES = [(64, 64, 64), (200, 72, 136), (384, 1000, 520), (1024, 512, 2048)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mkn", SM90_SHAPES, ids=str)
+def test_tma_eligible_layouts_bias_activation(dtype, mkn):
+    # Every layout the sm_90 path takes (b row-major, b = weight.t(), a and b as slices of
+    # wider buffers), with bias and each activation run as the in-place second pass. On
+    # other GPUs (or a build without CUTLASS) the same cases check the portable kernel.
+    m, k, n = mkn
+    a0, b0 = rand((m, k), dtype, "cuda"), rand((k, n), dtype, "cuda")
+    bias = rand((n,), dtype, "cuda")
+    wide_a = torch.full((m, k + 24), float("nan"), dtype=dtype, device="cuda")
+    wide_a[:, 8:8 + k] = a0
+    weight = b0.t().contiguous()  # [N, K], as nn.Linear stores it
+    wide_b = torch.full((k, n + 40), float("nan"), dtype=dtype, device="cuda")
+    wide_b[:, 16:16 + n] = b0
+    cases = [("contiguous", a0, b0), ("b = weight.t()", a0, weight.t()),
+             ("a, b slices (lda, ldb > width)", wide_a[:, 8:8 + k], wide_b[:, 16:16 + n])]
+    for name, a, b in cases:
+        assert_close(pg.gemm(a, b), gemm_ref(a0, b0), dtype, label=name)
+    for activation in ["none", "relu", "silu", "gelu"]:
+        out = pg.gemm(a0, weight.t(), bias=bias, activation=activation)
+        assert_close(out, gemm_ref(a0, b0, bias, activation), dtype, label=activation)
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="the CUTLASS path runs on sm_90 (Hopper) only")
+def test_sm90_path_is_taken_when_eligible():
+    assert _sm90_gemm_built(), "wheel built without the sm_90 CUTLASS GEMM (no CUTLASS headers at build time)"
+    a, b = rand((512, 256), torch.bfloat16, "cuda"), rand((256, 384), torch.bfloat16, "cuda")
+    names = _cuda_kernels_run(lambda: pg.gemm(a, b))
+    assert any("cutlass" in s for s in names), names
+    # Not TMA-eligible (a row stride that is not a multiple of 16 bytes): portable kernel.
+    a_odd = rand((512, 257), torch.bfloat16, "cuda")[:, :256]
+    names = _cuda_kernels_run(lambda: pg.gemm(a_odd, b))
+    assert names and not any("cutlass" in s for s in names), names
+    assert_close(pg.gemm(a_odd, b), gemm_ref(a_odd, b), torch.bfloat16)

@@ -44,4 +44,6 @@ def format_info(d: dict) -> str:
     tc = m.get("toolchain", {})
     lines.append(f"build        torch {m.get('build_torch')} headers, {tc.get('cxx')}"
                  + (f", {tc['cuda']['compiler']} ({tc['cuda']['archs']})" if tc.get("cuda") else ", no CUDA"))
+    if tc.get("cuda"):
+        lines.append("sm_90 gemm   " + (tc["cuda"].get("sm90_gemm") or "portable kernel (built without CUTLASS)"))
     return "\n".join(lines)

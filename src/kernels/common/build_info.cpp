@@ -23,6 +23,11 @@ const char* build_info() {
 #define PG_CUDA_ARCHS "unknown"
 #endif
          "; cuda: " PG_CUDA_COMPILER "; cuda archs: " PG_CUDA_ARCHS
+#if defined(PG_SM90_GEMM)
+         "; sm_90 gemm: " PG_SM90_GEMM
+#else
+         "; sm_90 gemm: portable kernel (no CUTLASS)"
+#endif
 #else
          "; cuda: none"
 #endif

@@ -1,8 +1,13 @@
 // cuda::gemm: c = act(a @ b + bias) for f32 (exact SIMT FMA), f16 and bf16 (tensor cores,
 // fp32 accumulate). Arbitrary element strides for a, b, c and bias.
+#include <atomic>
+
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
 #include "cuda/tc_gemm.cuh"
+#if defined(PG_WITH_SM90_GEMM)
+#include "cuda/sm90_gemm.h"
+#endif
 
 namespace portable_gemm {
 namespace cuda {
@@ -10,6 +15,11 @@ namespace cuda {
 namespace {
 
 using namespace detail;
+
+#if defined(PG_WITH_SM90_GEMM)
+// Below this many rows the portable kernel's 128-row tiles waste no more than CUTLASS's.
+constexpr int64_t kSm90MinM = 64;
+#endif
 
 template <typename T>
 Status gemm_tc(const GemmArgs& args, const Epilogue& ep, cudaStream_t stream) {
@@ -51,6 +61,78 @@ Status gemm_tc(const GemmArgs& args, const Epilogue& ep, cudaStream_t stream) {
   return launch_tc_gemm<T, false, TcBRowLoader<T>>(ap, bp, ep, stream);
 }
 
+#if defined(PG_WITH_SM90_GEMM)
+// Compute capability (major * 10 + minor) and SM count of `device`, read once per device.
+bool device_facts(int device, int* cc, int* sms) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> cache[kMaxDevices];  // (cc << 32) | sms; 0 = not read yet
+  if (device < 0 || device >= kMaxDevices) return false;
+  int64_t v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0, minor = 0, count = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();  // leave no sticky error behind
+      return false;
+    }
+    v = (static_cast<int64_t>(major * 10 + minor) << 32) | count;
+    cache[device].store(v, std::memory_order_relaxed);
+  }
+  *cc = static_cast<int>(v >> 32);
+  *sms = static_cast<int>(v & 0xffffffff);
+  return true;
+}
+
+// The Hopper path (CUTLASS, TMA + wgmma) for f16/bf16 on sm_90 when the operands suit TMA:
+// unit stride along K for a, along N for c, either unit stride for b, 16-byte aligned
+// pointers and leading dimensions. Bias and activation run as a second, in-place pass over
+// c. Returns false (nothing launched) when the problem does not qualify.
+bool try_sm90(const GemmArgs& args, const Epilogue& ep, cudaStream_t stream, Status* status) {
+  if (ep.M < kSm90MinM || ep.N < 64 || ep.K < 64) return false;
+  const ConstMatrix& a = args.a;
+  const ConstMatrix& b = args.b;
+  const Matrix& c = args.c;
+  if (a.col_stride != 1 || c.col_stride != 1) return false;
+  Sm90Problem p;
+  p.dtype = a.dtype;
+  p.a = a.data;
+  p.lda = a.row_stride;
+  p.b = b.data;
+  if (b.col_stride == 1) {
+    p.ldb = b.row_stride;
+    if (p.ldb < ep.N) return false;
+  } else if (b.row_stride == 1) {
+    p.b_k_major = true;
+    p.ldb = b.col_stride;
+    if (p.ldb < ep.K) return false;
+  } else {
+    return false;
+  }
+  p.d = c.data;
+  p.ldd = c.row_stride;
+  p.M = ep.M;
+  p.N = ep.N;
+  p.K = ep.K;
+  if (p.lda < ep.K || p.ldd < ep.N || p.lda % 8 || p.ldb % 8 || p.ldd % 8 ||
+      !aligned_to(p.a, 16) || !aligned_to(p.b, 16) || !aligned_to(p.d, 16))
+    return false;
+  int cc = 0;
+  if (cudaGetDevice(&p.device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  if (!device_facts(p.device, &cc, &p.sm_count) || cc != 90) return false;
+  const bool ran = p.dtype == DType::f16 ? sm90_gemm_f16(p, stream, status)
+                                         : sm90_gemm_bf16(p, stream, status);
+  if (ran && status->ok() && (args.bias != nullptr || args.activation != Activation::none)) {
+    const ConstMatrix d{c.data, c.rows, c.cols, c.row_stride, c.col_stride, c.dtype};
+    *status = bias_act_store(d, 0, args.bias, args.bias_stride, args.activation, c, stream);
+  }
+  return ran;
+}
+#endif
+
 Status gemm_f32(const GemmArgs& args, const Epilogue& ep, cudaStream_t stream) {
   SimtStrided a{static_cast<const float*>(args.a.data), args.a.row_stride, args.a.col_stride,
                 ep.M, ep.K};
@@ -79,9 +161,14 @@ Status gemm(const GemmArgs& args, void* stream_ptr) {
   // K == 0 runs the same kernels: the k loop is empty and the epilogue writes act(bias).
   switch (args.a.dtype) {
     case DType::f16:
-      return gemm_tc<__half>(args, ep, stream);
-    case DType::bf16:
-      return gemm_tc<__nv_bfloat16>(args, ep, stream);
+    case DType::bf16: {
+#if defined(PG_WITH_SM90_GEMM)
+      Status s;
+      if (try_sm90(args, ep, stream, &s)) return s;
+#endif
+      return args.a.dtype == DType::f16 ? gemm_tc<__half>(args, ep, stream)
+                                        : gemm_tc<__nv_bfloat16>(args, ep, stream);
+    }
     case DType::f32:
       return gemm_f32(args, ep, stream);
     default:

@@ -1,0 +1,97 @@
+// CUTLASS 3 kernel definitions behind sm90_gemm.h. Included only by the sm90_gemm_*.cu
+// files, which are compiled for sm_90a alone (wgmma and TMA exist only there).
+#pragma once
+
+#include "cuda/common.cuh"
+#include "cuda/sm90_gemm.h"
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+namespace portable_gemm {
+namespace cuda {
+namespace detail {
+namespace sm90 {
+
+using namespace cute;
+
+// One configuration for every shape: 128 x 256 x 64 tiles, two warp groups cooperating on
+// each tile (consumer) behind one TMA producer warp, clusters of 2 along M sharing B by TMA
+// multicast, a persistent tile scheduler sized to the SM count. The stage count fills the
+// shared memory left by the epilogue.
+template <typename T, typename LayoutB>
+struct Config {
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  static constexpr int kAlign = 16 / sizeof(T);
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, cutlass::layout::RowMajor, kAlign,  // no source operand (beta = 0)
+      T, cutlass::layout::RowMajor, kAlign,
+      cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign,
+      T, LayoutB, kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+inline bool fits_int(int64_t v) { return v >= 0 && v <= 0x7fffffff; }
+
+template <typename T, typename LayoutB>
+bool run(const Sm90Problem& p, cudaStream_t stream, Status* status) {
+  using Gemm = typename Config<T, LayoutB>::Gemm;
+  using StrideA = typename Gemm::GemmKernel::StrideA;
+  using StrideB = typename Gemm::GemmKernel::StrideB;
+  using StrideD = typename Gemm::GemmKernel::StrideD;
+  if (!fits_int(p.M) || !fits_int(p.N) || !fits_int(p.K)) return false;
+  // CUTLASS strides are (row, column, batch) of A [M, K] and D [M, N], and B seen as [N, K].
+  StrideA sa = make_stride(p.lda, Int<1>{}, int64_t(0));
+  StrideB sb{};
+  if constexpr (std::is_same_v<LayoutB, cutlass::layout::ColumnMajor>)
+    sb = make_stride(p.ldb, Int<1>{}, int64_t(0));  // K contiguous
+  else
+    sb = make_stride(Int<1>{}, p.ldb, int64_t(0));  // N contiguous
+  StrideD sd = make_stride(p.ldd, Int<1>{}, int64_t(0));
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = p.device;
+  hw.sm_count = p.sm_count;
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {static_cast<int>(p.M), static_cast<int>(p.N), static_cast<int>(p.K), 1},
+      {static_cast<const T*>(p.a), sa, static_cast<const T*>(p.b), sb},
+      {{1.f, 0.f}, nullptr, sd, static_cast<T*>(p.d), sd},
+      hw};
+  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return false;
+  if (Gemm::get_workspace_size(args) != 0) return false;  // not with this scheduler
+  Gemm gemm;
+  cutlass::Status s = gemm.initialize(args, nullptr, stream);
+  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
+  // CUTLASS reports failures as its own enum; the CUDA error of this library's runtime
+  // says what went wrong, when there is one.
+  *status = launch_status();
+  if (s != cutlass::Status::kSuccess && status->ok())
+    *status = Status{static_cast<int32_t>(cudaErrorLaunchFailure),
+                     "portable_gemm.cuda.gemm: the sm_90 CUTLASS kernel failed to launch"};
+  return true;
+}
+
+template <typename T>
+bool dispatch(const Sm90Problem& p, cudaStream_t stream, Status* status) {
+  return p.b_k_major ? run<T, cutlass::layout::ColumnMajor>(p, stream, status)
+                     : run<T, cutlass::layout::RowMajor>(p, stream, status);
+}
+
+}  // namespace sm90
+}  // namespace detail
+}  // namespace cuda
+}  // namespace portable_gemm
