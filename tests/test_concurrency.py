@@ -372,13 +372,27 @@ def test_return_during_finalization_dlpack_door(procs):
     rc, out, err = _wait(procs["late_door"], "late_door", timeout=120)
     assert "EXITING" in out, err[-3000:]
     assert rc == 0, f"late_door: exit {rc}\n{err[-3000:]}"
-    if sys.version_info < (3, 14):  # the control: torch's own op aborts in the same script
-        p = procs["late_torch"]
+    if sys.version_info >= (3, 14):
+        return
+    # The control: torch's own op, run the same way, aborts. Whether the thread's return
+    # lands inside finalisation depends on the machine's load (seen once on a 16-core
+    # machine running the whole suite): up to two more (control, door) pairs run then, and
+    # the door must exit 0 in every one.
+    p = procs["late_torch"]
+    for attempt in range(3):
         try:
             _, cerr = p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             p.kill()
             _, cerr = p.communicate()
-        assert p.returncode == -6 and "terminate called" in cerr, (
-            f"control torch.mm exited {p.returncode}: the harness did not reach a return during "
-            f"finalization, so the door's exit 0 above proves nothing\n{cerr[-2000:]}")
+        if p.returncode == -6 and "terminate called" in cerr:
+            return
+        if attempt == 2:
+            break
+        door = _spawn(LATE_RETURN, args=["door"])
+        p = _spawn(LATE_RETURN, args=["torch"])
+        rc, out, err = _wait(door, "late_door", timeout=120)
+        assert rc == 0 and "EXITING" in out, f"late_door (attempt {attempt + 2}): exit {rc}\n{err[-3000:]}"
+    raise AssertionError(
+        f"control torch.mm exited {p.returncode} in 3 attempts: the harness did not reach a return "
+        f"during finalization, so the door's exit 0 above proves nothing\n{cerr[-2000:]}")

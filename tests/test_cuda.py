@@ -3,7 +3,7 @@ capture and replay), the device guard, and the binding's stream branch."""
 
 import pytest
 import torch
-from conftest import assert_close, dequant_ref, gemm_ref, rand
+from conftest import assert_close, dequant_ref, gemm_ref, rand, run_python
 
 import portable_gemm as pg
 
@@ -138,3 +138,70 @@ def test_sm90_path_is_taken_when_eligible():
     names = _cuda_kernels_run(lambda: pg.gemm(a_odd, b))
     assert names and not any("cutlass" in s for s in names), names
     assert_close(pg.gemm(a_odd, b), gemm_ref(a_odd, b), torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, None), (8, 64), (8, None)],
+                         ids=["int4-g128", "int4-chan", "int8-g64", "int8-chan"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [136, 300], ids=lambda m: f"M{m}")
+def test_many_rows_mixed_linear_paths(dtype, bits, group, m):
+    # M > 16 with groups of whole 64-wide k-blocks: the fused mixed-input kernel on sm_90
+    # (its 128-row tile up to M = 256, the 256-row one above; dequantise + matmul elsewhere).
+    # Partial tiles, x as a slice of a wider buffer, f32 scales (transposed into x's dtype by
+    # the kernel), bias + activation.
+    n, k = 200, 384
+    w = rand((n, k), torch.float32, "cuda")
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)  # f32 scales
+    wd = dequant_ref(q, s, bits, group)
+    x0 = rand((m, k), dtype, "cuda")
+    wide = torch.full((m, k + 40), float("nan"), dtype=dtype, device="cuda")
+    wide[:, 16:16 + k] = x0
+    bias = rand((n,), dtype, "cuda")
+    for name, x in [("contiguous", x0), ("slice (ldx > K)", wide[:, 16:16 + k])]:
+        out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
+        assert_close(out, x0.double() @ wd.T, dtype, label=name)
+    for activation in ["relu", "gelu"]:
+        out = pg.mixed_linear(x0, q, s, bits=bits, group_size=group, bias=bias, activation=activation)
+        ref = gemm_ref(x0, wd.T.to(torch.float64), bias, activation)
+        assert_close(out, ref, dtype, label=activation)
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="the CUTLASS path runs on sm_90 (Hopper) only")
+def test_sm90_mixed_path_is_taken_when_eligible():
+    assert _sm90_gemm_built(), "wheel built without the sm_90 CUTLASS kernels (no CUTLASS headers at build time)"
+    w = rand((256, 512), torch.bfloat16, "cuda")
+    x = rand((64, 512), torch.bfloat16, "cuda")
+    q, s = pg.quantize_weight(w, bits=4, group_size=128)
+    names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=4, group_size=128))
+    # fused: a CUTLASS kernel and no dequantisation pass (kernel names may be mangled)
+    assert any("cutlass" in n for n in names) and not any("dequantize" in n for n in names), names
+    # Groups of 32 do not span a 64-wide k-block: dequantise, then a dense GEMM.
+    q32, s32 = pg.quantize_weight(w, bits=4, group_size=32)
+    names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q32, s32, bits=4, group_size=32))
+    assert any("dequantize" in n for n in names), names
+    assert_close(pg.mixed_linear(x, q32, s32, bits=4, group_size=32),
+                 x.double() @ dequant_ref(q32, s32, 4, 32).T, torch.bfloat16)
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="the CUTLASS path runs on sm_90 (Hopper) only")
+@pytest.mark.parametrize("value,expect_cutlass", [("1", False), ("0", True)])
+def test_disable_sm90_environment_variable(value, expect_cutlass):
+    code = """
+import torch
+from torch.profiler import ProfilerActivity, profile
+import portable_gemm as pg
+a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+q, s = pg.quantize_weight(b.t().contiguous(), bits=4, group_size=128)
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    pg.gemm(a, b)
+    pg.mixed_linear(x, q, s, bits=4, group_size=128)
+    torch.cuda.synchronize()
+names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+print("CUTLASS", sum("cutlass" in n for n in names), "OF", len(names))
+"""
+    r = run_python(code, env={"PORTABLE_GEMM_DISABLE_SM90": value})
+    assert r.returncode == 0, r.stderr[-3000:]
+    count = int(r.stdout.split("CUTLASS")[1].split()[0])
+    assert (count == 2) if expect_cutlass else (count == 0), r.stdout

@@ -27,7 +27,8 @@ struct CudaBackend {
   static void run(const GemmArgs& a, const Tensor& like, const char*) {
     launch(a, like, cuda::gemm);
   }
-  // More rows of x than the small-M kernels take (f16 / bf16 x, M > 16): dequantise the
+  // More rows of x than the small-M kernels take (f16 / bf16 x, M > 16): on sm_90 the
+  // library's fused CUTLASS mixed-input GEMM when it applies; otherwise dequantise the
   // weight into a temporary, multiply with torch's own matmul (cuBLAS) and apply bias and
   // activation while storing. The library's mma.sync GEMM reaches ~0.2x cuBLAS there
   // (bench/GPU_NOTES.md, run 15); this costs one extra write + read of the weight in 16
@@ -46,6 +47,15 @@ struct CudaBackend {
     const int32_t device = x.get_device_index();
     torch::stable::accelerator::DeviceGuard guard(device);
     void* stream = compat::current_cuda_stream(device);
+    // sm_90: the fused mixed-input kernel reads the quantised weight as stored; it only
+    // needs the scales transposed into a small workspace ([groups, N] in x's dtype). It beat
+    // dequantise + GEMM at every M measured (bench/GPU_NOTES.md, run 20).
+    const int64_t ws = cuda::mixed_linear_sm90_workspace(a);
+    if (ws >= 0) {
+      Tensor scratch = compat::new_output(x, {ws / 2 > 0 ? ws / 2 : 1}, x.scalar_type());
+      PG_CUDA_CHECK(cuda::mixed_linear_sm90(a, compat::mutable_data(scratch), stream).code);
+      return;
+    }
     Tensor w = compat::new_output(x, {N, K}, x.scalar_type());
     PG_CUDA_CHECK(cuda::dequantize_rows(a.w, 0, N, Matrix{compat::mutable_data(w), N, K, K, 1, a.x.dtype},
                                         stream).code);

@@ -1,9 +1,17 @@
 """Every CUDA op once, at small odd and aligned shapes, every dtype and scheme: the workload
 compute-sanitizer (memcheck / racecheck / initcheck) runs over in ci/gpu_session.sh."""
 
+import sys
+
 import torch
 
 import portable_gemm as pg
+
+# --initcheck: leave out the calls whose result is read back after a TMA store (cuBLAS's and
+# CUTLASS's sm_90 kernels write with cp.async.bulk, which initcheck does not track: every
+# such read is reported; bench/GPU_NOTES.md, run 21). ci/gpu_session.sh runs initcheck with
+# the sm_90 kernels switched off and this flag.
+INITCHECK = "--initcheck" in sys.argv
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -17,7 +25,7 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         pg.gemm(a.T.contiguous().T, b.T.contiguous().T)
         n_calls += 2
 for bits, group in ((8, None), (8, 32), (4, None), (4, 128)):
-    for m in (1, 5, 16, 40):
+    for m in (1, 5, 16) if INITCHECK else (1, 5, 16, 40, 300):  # 40, 300: both sm_90 tiles
         w = torch.randn(72, 256, device=dev, dtype=torch.bfloat16)
         q, s = pg.quantize_weight(w, bits=bits, group_size=group)
         for xdtype in (torch.float16, torch.bfloat16):

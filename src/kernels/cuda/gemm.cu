@@ -1,7 +1,5 @@
 // cuda::gemm: c = act(a @ b + bias) for f32 (exact SIMT FMA), f16 and bf16 (tensor cores,
 // fp32 accumulate). Arbitrary element strides for a, b, c and bias.
-#include <atomic>
-
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
 #include "cuda/tc_gemm.cuh"
@@ -62,28 +60,6 @@ Status gemm_tc(const GemmArgs& args, const Epilogue& ep, cudaStream_t stream) {
 }
 
 #if defined(PG_WITH_SM90_GEMM)
-// Compute capability (major * 10 + minor) and SM count of `device`, read once per device.
-bool device_facts(int device, int* cc, int* sms) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int64_t> cache[kMaxDevices];  // (cc << 32) | sms; 0 = not read yet
-  if (device < 0 || device >= kMaxDevices) return false;
-  int64_t v = cache[device].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0, minor = 0, count = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();  // leave no sticky error behind
-      return false;
-    }
-    v = (static_cast<int64_t>(major * 10 + minor) << 32) | count;
-    cache[device].store(v, std::memory_order_relaxed);
-  }
-  *cc = static_cast<int>(v >> 32);
-  *sms = static_cast<int>(v & 0xffffffff);
-  return true;
-}
-
 // The Hopper path (CUTLASS, TMA + wgmma) for f16/bf16 on sm_90 when the operands suit TMA:
 // unit stride along K for a, along N for c, either unit stride for b, 16-byte aligned
 // pointers and leading dimensions. Bias and activation run as a second, in-place pass over
@@ -122,7 +98,7 @@ bool try_sm90(const GemmArgs& args, const Epilogue& ep, cudaStream_t stream, Sta
     cudaGetLastError();
     return false;
   }
-  if (!device_facts(p.device, &cc, &p.sm_count) || cc != 90) return false;
+  if (!sm90_enabled() || !device_facts(p.device, &cc, &p.sm_count) || cc != 90) return false;
   const bool ran = p.dtype == DType::f16 ? sm90_gemm_f16(p, stream, status)
                                          : sm90_gemm_bf16(p, stream, status);
   if (ran && status->ok() && (args.bias != nullptr || args.activation != Activation::none)) {

@@ -1,6 +1,7 @@
-// Hopper (sm_90a) dense GEMM through CUTLASS 3's TMA + wgmma warp-specialised kernels.
-// Host-only declarations (no CUTLASS header): gemm.cu includes this and calls sm90_gemm()
-// when the library was built with it (PG_WITH_SM90_GEMM) and the device is sm_90.
+// Hopper (sm_90a) GEMMs through CUTLASS 3's TMA + wgmma warp-specialised kernels: dense
+// f16/bf16 (sm90_gemm_*.cu) and the weight-only mixed-input GEMM (sm90_mixed_*.cu).
+// Host-only declarations (no CUTLASS header): gemm.cu and sm90_dispatch.cu call these when
+// the library was built with them (PG_WITH_SM90_GEMM) and the device is sm_90.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,12 +32,41 @@ struct Sm90Problem {
   int sm_count = 0;
 };
 
+// y[M, N] = x[M, K] @ (q * scale)[N, K]^T for the mixed-input kernel (sm90_mixed.cuh): x and
+// y row-major (unit column stride), w [N, K] int8 or packed int4 with its row stride in
+// elements (nibbles for int4), scales [N, groups] of any float dtype; scales_t is a
+// workspace of groups * N elements of x's dtype that receives them transposed.
+struct Sm90MixedProblem {
+  DType dtype = DType::bf16;
+  const void* x = nullptr;
+  int64_t ldx = 0;
+  const void* w = nullptr;
+  int64_t w_row_stride_elems = 0;
+  int bits = 8;
+  int64_t group_size = 0;  // K for per-channel scales
+  const void* scales = nullptr;
+  int64_t scales_row_stride = 0;
+  DType scales_dtype = DType::f32;
+  void* scales_t = nullptr;
+  void* y = nullptr;
+  int64_t ldy = 0;
+  int64_t M = 0, N = 0, K = 0;
+  int device = 0;
+  int sm_count = 0;
+};
+
+// Compute capability (major * 10 + minor) and SM count of `device`, read once per device.
+bool device_facts(int device, int* cc, int* sms);
+// False when the environment sets PORTABLE_GEMM_DISABLE_SM90 (to anything but 0).
+bool sm90_enabled();
+
 // Runs the problem and returns true, with *status the launch's status; returns false
 // without launching when CUTLASS cannot implement it (alignment, sizes, a workspace would
 // be needed), so that the caller falls back to the portable tensor-core kernel.
-bool sm90_gemm(const Sm90Problem& p, cudaStream_t stream, Status* status);
 bool sm90_gemm_f16(const Sm90Problem& p, cudaStream_t stream, Status* status);
 bool sm90_gemm_bf16(const Sm90Problem& p, cudaStream_t stream, Status* status);
+bool sm90_mixed_f16(const Sm90MixedProblem& p, cudaStream_t stream, Status* status);
+bool sm90_mixed_bf16(const Sm90MixedProblem& p, cudaStream_t stream, Status* status);
 
 }  // namespace detail
 }  // namespace cuda

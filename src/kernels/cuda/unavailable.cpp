@@ -18,6 +18,8 @@ Status dequantize_rows(const QuantizedWeight&, int64_t, int64_t, Matrix, void*) 
 Status bias_act_store(ConstMatrix, int64_t, const void*, int64_t, Activation, Matrix, void*) {
   return unavailable();
 }
+int64_t mixed_linear_sm90_workspace(const MixedLinearArgs&) { return -1; }
+Status mixed_linear_sm90(const MixedLinearArgs&, void*, void*) { return unavailable(); }
 Status device_alloc(void**, size_t, int32_t) { return unavailable(); }
 void device_free(void*, int32_t) {}
 Status set_device(int32_t, int32_t*) { return unavailable(); }

@@ -1,0 +1,135 @@
+// Host-side choice of the Hopper (sm_90a) CUTLASS kernels: device facts, and the public
+// entry points of the fused weight-only GEMM. Compiled for every arch (no CUTLASS header);
+// without PG_WITH_SM90_GEMM the entry points answer "not available".
+#include <atomic>
+#include <cstdlib>
+
+#include "cuda/common.cuh"
+#include "cuda/sm90_gemm.h"
+
+namespace portable_gemm {
+namespace cuda {
+
+namespace detail {
+
+bool device_facts(int device, int* cc, int* sms) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> cache[kMaxDevices];  // (cc << 32) | sms; 0 = not read yet
+  if (device < 0 || device >= kMaxDevices) return false;
+  int64_t v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0, minor = 0, count = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();  // leave no sticky error behind
+      return false;
+    }
+    v = (static_cast<int64_t>(major * 10 + minor) << 32) | count;
+    cache[device].store(v, std::memory_order_relaxed);
+  }
+  *cc = static_cast<int>(v >> 32);
+  *sms = static_cast<int>(v & 0xffffffff);
+  return true;
+}
+
+bool sm90_enabled() {
+  // PORTABLE_GEMM_DISABLE_SM90=1: every GPU takes the portable kernels (read once). For
+  // compute-sanitizer's initcheck, which does not see TMA stores (bench/GPU_NOTES.md,
+  // run 21), and as an escape hatch.
+  static const bool enabled = [] {
+    const char* e = std::getenv("PORTABLE_GEMM_DISABLE_SM90");
+    return !(e && *e && *e != '0');
+  }();
+  return enabled;
+}
+
+namespace {
+
+#if defined(PG_WITH_SM90_GEMM)
+// The problem for the mixed-input kernel, or false when these arguments do not suit it
+// (the checks CUTLASS's can_implement makes after this are on the same facts).
+bool mixed_problem(const MixedLinearArgs& a, Sm90MixedProblem* p) {
+  const ConstMatrix& x = a.x;
+  const QuantizedWeight& w = a.w;
+  const Matrix& y = a.y;
+  if (x.dtype != DType::f16 && x.dtype != DType::bf16) return false;
+  if (validate_mixed_linear(a).code != 0) return false;
+  const int64_t M = x.rows, N = w.n, K = w.k;
+  if (M <= 0 || N <= 0 || K <= 0 || M > 0x7fffffff || N > 0x7fffffff || K > 0x7fffffff) return false;
+  const int64_t gs = w.group_size == 0 ? K : w.group_size;
+  if (gs != K && gs % 64 != 0) return false;  // a group spans whole 64-wide k-blocks
+  if (x.col_stride != 1 || x.row_stride < K || x.row_stride % 8 || !aligned_to(x.data, 16)) return false;
+  if (y.col_stride != 1 || y.row_stride < N || y.row_stride % 8 || !aligned_to(y.data, 16)) return false;
+  if (N % 8 || w.row_stride % 16 || !aligned_to(w.data, 16)) return false;
+  if (K % (w.bits == 4 ? 32 : 16)) return false;
+  p->dtype = x.dtype;
+  p->x = x.data;
+  p->ldx = x.row_stride;
+  p->w = w.data;
+  p->w_row_stride_elems = w.bits == 4 ? 2 * w.row_stride : w.row_stride;
+  p->bits = w.bits;
+  p->group_size = gs;
+  p->scales = w.scales;
+  p->scales_row_stride = w.scales_row_stride;
+  p->scales_dtype = w.scales_dtype;
+  p->y = y.data;
+  p->ldy = y.row_stride;
+  p->M = M;
+  p->N = N;
+  p->K = K;
+  if (cudaGetDevice(&p->device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  int cc = 0;
+  return sm90_enabled() && device_facts(p->device, &cc, &p->sm_count) && cc == 90;
+}
+#endif
+
+}  // namespace
+}  // namespace detail
+
+int64_t mixed_linear_sm90_workspace(const MixedLinearArgs& args) {
+#if defined(PG_WITH_SM90_GEMM)
+  detail::Sm90MixedProblem p;
+  if (!detail::mixed_problem(args, &p)) return -1;
+  return (p.K / p.group_size) * p.N * 2;
+#else
+  (void)args;
+  return -1;
+#endif
+}
+
+Status mixed_linear_sm90(const MixedLinearArgs& args, void* workspace, void* stream_ptr) {
+#if defined(PG_WITH_SM90_GEMM)
+  detail::Sm90MixedProblem p;
+  if (!detail::mixed_problem(args, &p) || !detail::aligned_to(workspace, 16))
+    return Status{static_cast<int32_t>(cudaErrorInvalidValue),
+                  "portable_gemm.cuda.mixed_linear_sm90: arguments not supported (check "
+                  "mixed_linear_sm90_workspace first; the workspace must be 16-byte aligned)"};
+  p.scales_t = workspace;
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  Status s;
+  const bool ran = p.dtype == DType::f16 ? detail::sm90_mixed_f16(p, stream, &s)
+                                         : detail::sm90_mixed_bf16(p, stream, &s);
+  if (!ran)
+    return Status{static_cast<int32_t>(cudaErrorNotSupported),
+                  "portable_gemm.cuda.mixed_linear_sm90: CUTLASS cannot implement this problem"};
+  if (s.ok() && (args.bias != nullptr || args.activation != Activation::none)) {
+    const Matrix& y = args.y;
+    s = bias_act_store(ConstMatrix{y.data, y.rows, y.cols, y.row_stride, y.col_stride, y.dtype}, 0,
+                       args.bias, args.bias_stride, args.activation, y, stream_ptr);
+  }
+  return s;
+#else
+  (void)args;
+  (void)workspace;
+  (void)stream_ptr;
+  return Status{static_cast<int32_t>(cudaErrorNotSupported),
+                "portable_gemm.cuda.mixed_linear_sm90: built without the sm_90 CUTLASS kernels"};
+#endif
+}
+
+}  // namespace cuda
+}  // namespace portable_gemm
