@@ -11,7 +11,9 @@ namespace portable_gemm {
 namespace cuda {
 
 namespace detail {
+namespace {
 
+// Compute capability (major * 10 + minor) and SM count of `device`, read once per device.
 bool device_facts(int device, int* cc, int* sms) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int64_t> cache[kMaxDevices];  // (cc << 32) | sms; 0 = not read yet
@@ -42,6 +44,18 @@ bool sm90_enabled() {
     return !(e && *e && *e != '0');
   }();
   return enabled;
+}
+
+}  // namespace
+
+bool current_device_takes_sm90(int* device, int* sms) {
+  int cc = 0;
+  if (!sm90_enabled()) return false;
+  if (cudaGetDevice(device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return device_facts(*device, &cc, sms) && cc == 90;
 }
 
 namespace {
@@ -78,12 +92,7 @@ bool mixed_problem(const MixedLinearArgs& a, Sm90MixedProblem* p) {
   p->M = M;
   p->N = N;
   p->K = K;
-  if (cudaGetDevice(&p->device) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  int cc = 0;
-  return sm90_enabled() && device_facts(p->device, &cc, &p->sm_count) && cc == 90;
+  return current_device_takes_sm90(&p->device, &p->sm_count);
 }
 #endif
 

@@ -55,10 +55,10 @@ struct Sm90MixedProblem {
   int sm_count = 0;
 };
 
-// Compute capability (major * 10 + minor) and SM count of `device`, read once per device.
-bool device_facts(int device, int* cc, int* sms);
-// False when the environment sets PORTABLE_GEMM_DISABLE_SM90 (to anything but 0).
-bool sm90_enabled();
+// True when the sm_90 kernels are enabled (the environment does not set
+// PORTABLE_GEMM_DISABLE_SM90 to anything but 0) and the current device is compute
+// capability 9.0; then *device and *sms (its SM count) are set.
+bool current_device_takes_sm90(int* device, int* sms);
 
 // Runs the problem and returns true, with *status the launch's status; returns false
 // without launching when CUTLASS cannot implement it (alignment, sizes, a workspace would
