@@ -96,7 +96,7 @@ def _sm90_gemm_built() -> str | None:
 
 
 def _is_sm90() -> bool:
-    return torch.cuda.get_device_capability() == (9, 0)
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 # (M, K, N) that qualify for the sm_90 CUTLASS path: partial tiles in M and N (128 x 256
