@@ -13,7 +13,12 @@
 //  * re-entrancy: a body that calls parallel_for again (from a worker or from the
 //    calling thread) runs the inner loop inline, and a second thread that calls while a
 //    job is running also runs inline, rather than queueing behind it.
+//  * wake-up latency: a worker blocked on a condition variable takes tens of microseconds
+//    to run again (longer on a VM, whose idle vCPU has halted), which is the whole budget of
+//    a small call. After each job, workers (and the caller waiting for them) spin for a
+//    short while (kSpin) before blocking, as OpenMP runtimes do.
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
@@ -22,6 +27,9 @@
 
 #if !defined(_WIN32)
 #include <pthread.h>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
 #endif
 
 #include "portable_gemm/kernels.h"
@@ -32,6 +40,31 @@ namespace {
 
 // True on pool workers and on a caller while it drives a job: nested calls run inline.
 thread_local bool t_inside_pool = false;
+
+// How long a worker polls for the next job, and the caller for the workers, before
+// blocking.
+constexpr std::chrono::microseconds kSpin{200};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// Polls ready() for up to kSpin; true as soon as it holds.
+template <class Ready>
+bool spin_until(Ready ready) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return ready();
+  }
+}
 
 int configured_threads() {
   if (const char* env = std::getenv("PORTABLE_GEMM_NUM_THREADS")) {
@@ -79,15 +112,17 @@ class Pool {
       next_.store(0, std::memory_order_relaxed);
       // Every worker acknowledges every job, so none can still be looking at this job's
       // fields when the next one overwrites them.
-      pending_workers_ = nthreads_ - 1;
-      ++generation_;
+      pending_workers_.store(nthreads_ - 1, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);  // publishes the fields above
     }
-    work_cv_.notify_all();
+    work_cv_.notify_all();  // for workers that stopped spinning
     t_inside_pool = true;
     run_chunks();
     t_inside_pool = false;
+    auto all_done = [this] { return pending_workers_.load(std::memory_order_acquire) == 0; };
+    if (spin_until(all_done)) return;
     std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [this] { return pending_workers_ == 0; });
+    done_cv_.wait(lk, all_done);
   }
 
  private:
@@ -107,14 +142,18 @@ class Pool {
     t_inside_pool = true;
     uint64_t seen = 0;
     for (;;) {
-      {
+      auto job_posted = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+      if (!spin_until(job_posted)) {
         std::unique_lock<std::mutex> lk(mu_);
-        work_cv_.wait(lk, [&] { return generation_ != seen; });
-        seen = generation_;
+        work_cv_.wait(lk, job_posted);
       }
+      seen = generation_.load(std::memory_order_acquire);
       run_chunks();
-      std::lock_guard<std::mutex> lk(mu_);
-      if (--pending_workers_ == 0) done_cv_.notify_one();
+      if (pending_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        // Under mu_: the caller either sees the count at 0 or is already waiting.
+        std::lock_guard<std::mutex> lk(mu_);
+        done_cv_.notify_one();
+      }
     }
   }
 
@@ -122,8 +161,8 @@ class Pool {
   std::mutex caller_mu_;  // one job at a time
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
-  uint64_t generation_ = 0;
-  int pending_workers_ = 0;
+  std::atomic<uint64_t> generation_{0};  // bumped (under mu_) once per job
+  std::atomic<int> pending_workers_{0};
   // Job description, written under mu_ before generation_ changes.
   Executor::Body body_ = nullptr;
   void* ctx_ = nullptr;
