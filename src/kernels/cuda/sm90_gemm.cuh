@@ -47,6 +47,20 @@ struct Config {
 
 inline bool fits_int(int64_t v) { return v >= 0 && v <= 0x7fffffff; }
 
+// Initialises and launches a CUTLASS device-level GEMM on `stream`. *status gets the CUDA
+// error of this library's runtime, or `failure` when CUTLASS refused without one (it reports
+// failures as its own enum).
+template <typename Gemm>
+void launch(const typename Gemm::Arguments& args, cudaStream_t stream, Status* status,
+            const char* failure) {
+  Gemm gemm;
+  cutlass::Status s = gemm.initialize(args, nullptr, stream);
+  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
+  *status = launch_status();
+  if (s != cutlass::Status::kSuccess && status->ok())
+    *status = Status{static_cast<int32_t>(cudaErrorLaunchFailure), failure};
+}
+
 template <typename T, typename LayoutB>
 bool run(const Sm90Problem& p, cudaStream_t stream, Status* status) {
   using Gemm = typename Config<T, LayoutB>::Gemm;
@@ -73,15 +87,8 @@ bool run(const Sm90Problem& p, cudaStream_t stream, Status* status) {
       hw};
   if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return false;
   if (Gemm::get_workspace_size(args) != 0) return false;  // not with this scheduler
-  Gemm gemm;
-  cutlass::Status s = gemm.initialize(args, nullptr, stream);
-  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
-  // CUTLASS reports failures as its own enum; the CUDA error of this library's runtime
-  // says what went wrong, when there is one.
-  *status = launch_status();
-  if (s != cutlass::Status::kSuccess && status->ok())
-    *status = Status{static_cast<int32_t>(cudaErrorLaunchFailure),
-                     "portable_gemm.cuda.gemm: the sm_90 CUTLASS kernel failed to launch"};
+  launch<Gemm>(args, stream, status,
+               "portable_gemm.cuda.gemm: the sm_90 CUTLASS kernel failed to launch");
   return true;
 }
 

@@ -8,16 +8,7 @@
 // type: the caller transposes them into a workspace first (transpose_scales below).
 #pragma once
 
-#include "cuda/common.cuh"
-#include "cuda/sm90_gemm.h"
-
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cuda/sm90_gemm.cuh"  // the CUTLASS headers and launch()
 
 namespace portable_gemm {
 namespace cuda {
@@ -103,13 +94,8 @@ bool run_mixed(const Sm90MixedProblem& p, cudaStream_t stream, Status* status) {
   transpose_scales_kernel<T><<<static_cast<unsigned>(ceil_div(total, 256)), 256, 0, stream>>>(
       p.scales, static_cast<int>(p.scales_dtype), p.scales_row_stride, p.N, groups,
       static_cast<T*>(p.scales_t));
-  Gemm gemm;
-  cutlass::Status s = gemm.initialize(args, nullptr, stream);
-  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
-  *status = launch_status();
-  if (s != cutlass::Status::kSuccess && status->ok())
-    *status = Status{static_cast<int32_t>(cudaErrorLaunchFailure),
-                     "portable_gemm.cuda.mixed_linear: the sm_90 CUTLASS kernel failed to launch"};
+  launch<Gemm>(args, stream, status,
+               "portable_gemm.cuda.mixed_linear: the sm_90 CUTLASS kernel failed to launch");
   return true;
 }
 
