@@ -166,6 +166,24 @@ def test_many_rows_mixed_linear_paths(dtype, bits, group, m):
         assert_close(out, ref, dtype, label=activation)
 
 
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, None)], ids=["int4-g128", "int8-chan"])
+@pytest.mark.parametrize("m", [48, 256], ids=lambda m: f"M{m}")
+def test_mixed_linear_few_tiles_long_k(bits, group, m):
+    # Few output tiles (N = 264: 3 tiles of 128 rows, the last partial) over a long K: on
+    # sm_90 the stream-K scheduler splits each tile's K loop over many SMs and adds the
+    # fp32 partials through the workspace in K order, so a repeated call is bit-identical.
+    n, k = 264, 8192
+    w = rand((n, k), torch.float32, "cuda")
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    x = rand((m, k), torch.bfloat16, "cuda")
+    bias = rand((n,), torch.bfloat16, "cuda")
+    out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
+    ref = gemm_ref(x, dequant_ref(q, s, bits, group).T.to(torch.float64), bias, "silu")
+    assert_close(out, ref, torch.bfloat16)
+    again = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
+    assert torch.equal(out, again), "two identical calls gave different results"
+
+
 @pytest.mark.skipif(not _is_sm90(), reason="the CUTLASS path runs on sm_90 (Hopper) only")
 def test_sm90_mixed_path_is_taken_when_eligible():
     assert _sm90_gemm_built(), "wheel built without the sm_90 CUTLASS kernels (no CUTLASS headers at build time)"

@@ -48,7 +48,7 @@ struct CudaBackend {
     torch::stable::accelerator::DeviceGuard guard(device);
     void* stream = compat::current_cuda_stream(device);
     // sm_90: the fused mixed-input kernel reads the quantised weight as stored; it only
-    // needs the scales transposed into a small workspace ([groups, N] in x's dtype). It beat
+    // needs a small workspace (the scales transposed, the stream-K partial sums). It beat
     // dequantise + GEMM at every M measured (bench/GPU_NOTES.md, run 20).
     const int64_t ws = cuda::mixed_linear_sm90_workspace(a);
     if (ws >= 0) {

@@ -99,11 +99,29 @@ bool mixed_problem(const MixedLinearArgs& a, Sm90MixedProblem* p) {
 }  // namespace
 }  // namespace detail
 
+#if defined(PG_WITH_SM90_GEMM)
+namespace detail {
+namespace {
+// The workspace: the transposed scales ([groups, N] in x's dtype), then CUTLASS's own from
+// a 256-byte boundary. Returns its size, or -1 when the kernel does not apply.
+int64_t mixed_layout(const MixedLinearArgs& args, Sm90MixedProblem* p, int64_t* scales_bytes) {
+  if (!mixed_problem(args, p)) return -1;
+  *scales_bytes = ceil_div((p->K / p->group_size) * p->N * 2, 256) * 256;
+  const int64_t cutlass_bytes =
+      p->dtype == DType::f16 ? sm90_mixed_f16_workspace(*p) : sm90_mixed_bf16_workspace(*p);
+  if (cutlass_bytes < 0) return -1;
+  p->workspace_bytes = cutlass_bytes;
+  return *scales_bytes + ceil_div(cutlass_bytes, 256) * 256;
+}
+}  // namespace
+}  // namespace detail
+#endif
+
 int64_t mixed_linear_sm90_workspace(const MixedLinearArgs& args) {
 #if defined(PG_WITH_SM90_GEMM)
   detail::Sm90MixedProblem p;
-  if (!detail::mixed_problem(args, &p)) return -1;
-  return (p.K / p.group_size) * p.N * 2;
+  int64_t scales_bytes = 0;
+  return detail::mixed_layout(args, &p, &scales_bytes);
 #else
   (void)args;
   return -1;
@@ -113,11 +131,13 @@ int64_t mixed_linear_sm90_workspace(const MixedLinearArgs& args) {
 Status mixed_linear_sm90(const MixedLinearArgs& args, void* workspace, void* stream_ptr) {
 #if defined(PG_WITH_SM90_GEMM)
   detail::Sm90MixedProblem p;
-  if (!detail::mixed_problem(args, &p) || !detail::aligned_to(workspace, 16))
+  int64_t scales_bytes = 0;
+  if (detail::mixed_layout(args, &p, &scales_bytes) < 0 || !detail::aligned_to(workspace, 256))
     return Status{static_cast<int32_t>(cudaErrorInvalidValue),
                   "portable_gemm.cuda.mixed_linear_sm90: arguments not supported (check "
-                  "mixed_linear_sm90_workspace first; the workspace must be 16-byte aligned)"};
+                  "mixed_linear_sm90_workspace first; the workspace must be 256-byte aligned)"};
   p.scales_t = workspace;
+  p.workspace = static_cast<char*>(workspace) + scales_bytes;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   Status s;
   const bool ran = p.dtype == DType::f16 ? detail::sm90_mixed_f16(p, stream, &s)

@@ -49,12 +49,13 @@ inline bool fits_int(int64_t v) { return v >= 0 && v <= 0x7fffffff; }
 
 // Initialises and launches a CUTLASS device-level GEMM on `stream`. *status gets the CUDA
 // error of this library's runtime, or `failure` when CUTLASS refused without one (it reports
-// failures as its own enum).
+// failures as its own enum). `workspace`: get_workspace_size(args) bytes of device memory
+// (CUTLASS clears what it needs of it on `stream`), or null when that size is 0.
 template <typename Gemm>
 void launch(const typename Gemm::Arguments& args, cudaStream_t stream, Status* status,
-            const char* failure) {
+            const char* failure, void* workspace = nullptr) {
   Gemm gemm;
-  cutlass::Status s = gemm.initialize(args, nullptr, stream);
+  cutlass::Status s = gemm.initialize(args, workspace, stream);
   if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
   *status = launch_status();
   if (s != cutlass::Status::kSuccess && status->ok())

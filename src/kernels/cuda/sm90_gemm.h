@@ -35,7 +35,8 @@ struct Sm90Problem {
 // y[M, N] = x[M, K] @ (q * scale)[N, K]^T for the mixed-input kernel (sm90_mixed.cuh): x and
 // y row-major (unit column stride), w [N, K] int8 or packed int4 with its row stride in
 // elements (nibbles for int4), scales [N, groups] of any float dtype; scales_t is a
-// workspace of groups * N elements of x's dtype that receives them transposed.
+// workspace of groups * N elements of x's dtype that receives them transposed; workspace
+// (workspace_bytes) is CUTLASS's own, for the stream-K reduction (sm90_mixed_*_workspace).
 struct Sm90MixedProblem {
   DType dtype = DType::bf16;
   const void* x = nullptr;
@@ -48,6 +49,8 @@ struct Sm90MixedProblem {
   int64_t scales_row_stride = 0;
   DType scales_dtype = DType::f32;
   void* scales_t = nullptr;
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
   void* y = nullptr;
   int64_t ldy = 0;
   int64_t M = 0, N = 0, K = 0;
@@ -67,6 +70,10 @@ bool sm90_gemm_f16(const Sm90Problem& p, cudaStream_t stream, Status* status);
 bool sm90_gemm_bf16(const Sm90Problem& p, cudaStream_t stream, Status* status);
 bool sm90_mixed_f16(const Sm90MixedProblem& p, cudaStream_t stream, Status* status);
 bool sm90_mixed_bf16(const Sm90MixedProblem& p, cudaStream_t stream, Status* status);
+// The bytes of CUTLASS workspace the mixed-input kernel needs for p (0 without stream-K),
+// or -1 when CUTLASS cannot implement p.
+int64_t sm90_mixed_f16_workspace(const Sm90MixedProblem& p);
+int64_t sm90_mixed_bf16_workspace(const Sm90MixedProblem& p);
 
 }  // namespace detail
 }  // namespace cuda

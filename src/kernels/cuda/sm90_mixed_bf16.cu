@@ -10,6 +10,10 @@ bool sm90_mixed_bf16(const Sm90MixedProblem& p, cudaStream_t stream, Status* sta
   return sm90::dispatch_mixed<__nv_bfloat16, cutlass::bfloat16_t>(p, stream, status);
 }
 
+int64_t sm90_mixed_bf16_workspace(const Sm90MixedProblem& p) {
+  return sm90::workspace_mixed<__nv_bfloat16, cutlass::bfloat16_t>(p);
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace portable_gemm

@@ -10,6 +10,10 @@ bool sm90_mixed_f16(const Sm90MixedProblem& p, cudaStream_t stream, Status* stat
   return sm90::dispatch_mixed<__half, cutlass::half_t>(p, stream, status);
 }
 
+int64_t sm90_mixed_f16_workspace(const Sm90MixedProblem& p) {
+  return sm90::workspace_mixed<__half, cutlass::half_t>(p);
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace portable_gemm
