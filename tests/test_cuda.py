@@ -168,11 +168,13 @@ def test_many_rows_mixed_linear_paths(dtype, bits, group, m):
 
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, None)], ids=["int4-g128", "int8-chan"])
 @pytest.mark.parametrize("m", [48, 256], ids=lambda m: f"M{m}")
-def test_mixed_linear_few_tiles_long_k(bits, group, m):
-    # Few output tiles (N = 264: 3 tiles of 128 rows, the last partial) over a long K: on
-    # sm_90 the stream-K scheduler splits each tile's K loop over many SMs and adds the
-    # fp32 partials through the workspace in K order, so a repeated call is bit-identical.
-    n, k = 264, 8192
+@pytest.mark.parametrize("n,k", [(264, 8192), (8704, 256)], ids=["few-tiles-long-K", "many-tiles"])
+def test_mixed_linear_tile_schedulers(bits, group, m, n, k):
+    # On sm_90 with M <= 256: few output tiles (N = 264: 3 tiles of 128 rows, the last
+    # partial) over a long K take the stream-K scheduler, which splits each tile's K loop
+    # over many SMs and adds the fp32 partials through the workspace in K order, so a
+    # repeated call is bit-identical; many tiles (68 or 136 for N = 8704) take the
+    # persistent one. Elsewhere the same cases check the other paths.
     w = rand((n, k), torch.float32, "cuda")
     q, s = pg.quantize_weight(w, bits=bits, group_size=group)
     x = rand((m, k), torch.bfloat16, "cuda")
@@ -182,6 +184,11 @@ def test_mixed_linear_few_tiles_long_k(bits, group, m):
     assert_close(out, ref, torch.bfloat16)
     again = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
     assert torch.equal(out, again), "two identical calls gave different results"
+    if _is_sm90() and _sm90_gemm_built():
+        names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=bits, group_size=group))
+        cutlass = [name for name in names if "cutlass" in name]
+        # the scheduler's type is part of the kernel's (mangled) name
+        assert cutlass and all(("StreamK" in name) == (n == 264) for name in cutlass), names
 
 
 @pytest.mark.skipif(not _is_sm90(), reason="the CUTLASS path runs on sm_90 (Hopper) only")

@@ -22,11 +22,12 @@ using namespace cute;
 // as often (0.91-1.00x bf16 cuBLAS at M >= 1024 against 0.65-0.86x; run 20 of
 // bench/GPU_NOTES.md), the narrower one leaves fewer idle rows at small M.
 // With few rows of x there are only N / 128 tiles (64 for N = 8192: half of the H200's 132
-// SMs idle while each tile streams 128 whole weight rows), so the TileM = 128 kernel runs
-// under CUTLASS's stream-K scheduler: it splits the K loop of the tiles over the SMs and
-// reduces the fp32 partials through a workspace in K order (deterministic). Where there
-// are enough tiles its heuristic keeps the plain data-parallel split.
-template <typename T, typename Q, int TileM>
+// SMs idle while each tile streams 128 whole weight rows). When the tiles fill at most half
+// of the SMs, the kernel runs under CUTLASS's stream-K scheduler (StreamK = true): it splits
+// the tiles' K loops over the SMs and adds the fp32 partials through a workspace in K order
+// (deterministic). From 96 tiles up that was slower than the plain persistent scheduler
+// (bench/GPU_NOTES.md, run 27), which the other instantiation keeps.
+template <typename T, typename Q, int TileM, bool StreamK>
 struct MixedConfig {
   using TileShape = Shape<_128, Int<TileM>, _64>;
   using ClusterShape = Shape<_1, _1, _1>;
@@ -46,7 +47,7 @@ struct MixedConfig {
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Scheduler = std::conditional_t<TileM == 128, cutlass::gemm::StreamKScheduler,
+  using Scheduler = std::conditional_t<StreamK, cutlass::gemm::StreamKScheduler,
                                        cutlass::gemm::PersistentScheduler>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       Scheduler>;
@@ -81,11 +82,11 @@ __global__ void transpose_scales_kernel(const void* scales, int sdt, int64_t srs
 
 // T: the CUDA type of x, y and the transposed scales (__half / __nv_bfloat16); TE: the same
 // type as CUTLASS names it; Q: int8_t or cutlass::int4b_t.
-template <typename T, typename TE, typename Q, int TileM>
+template <typename T, typename TE, typename Q, int TileM, bool StreamK>
 struct MixedRun {
   static_assert(sizeof(TE) == sizeof(T), "T and TE must be the same 16-bit type");
-  using Gemm = typename MixedConfig<TE, Q, TileM>::Gemm;
-  using Mainloop = typename MixedConfig<TE, Q, TileM>::Mainloop;
+  using Gemm = typename MixedConfig<TE, Q, TileM, StreamK>::Gemm;
+  using Mainloop = typename MixedConfig<TE, Q, TileM, StreamK>::Mainloop;
 
   static typename Gemm::Arguments arguments(const Sm90MixedProblem& p) {
     using ElemA = typename Mainloop::ElementA;
@@ -138,10 +139,20 @@ struct MixedRun {
   }
 };
 
+// The kernel for p: 0 = 128-wide tile under stream-K, 1 = 128-wide tile, 2 = 256-wide tile.
+inline int kernel_choice(const Sm90MixedProblem& p) {
+  if (p.M > 256) return 2;
+  const int64_t tiles = ceil_div(p.N, 128) * ceil_div(p.M, 128);
+  return 2 * tiles <= p.sm_count ? 0 : 1;
+}
+
 template <typename T, typename TE, typename Q>
 bool dispatch_tile(const Sm90MixedProblem& p, cudaStream_t stream, Status* status) {
-  return p.M <= 256 ? MixedRun<T, TE, Q, 128>::run(p, stream, status)
-                    : MixedRun<T, TE, Q, 256>::run(p, stream, status);
+  switch (kernel_choice(p)) {
+    case 0: return MixedRun<T, TE, Q, 128, true>::run(p, stream, status);
+    case 1: return MixedRun<T, TE, Q, 128, false>::run(p, stream, status);
+    default: return MixedRun<T, TE, Q, 256, false>::run(p, stream, status);
+  }
 }
 
 template <typename T, typename TE>
@@ -150,10 +161,14 @@ bool dispatch_mixed(const Sm90MixedProblem& p, cudaStream_t stream, Status* stat
                      : dispatch_tile<T, TE, cutlass::int4b_t>(p, stream, status);
 }
 
-// The CUTLASS workspace dispatch_mixed needs for p: the same choice of kernel.
+// The CUTLASS workspace dispatch_mixed needs for p (the same choice of kernel).
 template <typename T, typename TE, typename Q>
 int64_t workspace_tile(const Sm90MixedProblem& p) {
-  return p.M <= 256 ? MixedRun<T, TE, Q, 128>::workspace(p) : MixedRun<T, TE, Q, 256>::workspace(p);
+  switch (kernel_choice(p)) {
+    case 0: return MixedRun<T, TE, Q, 128, true>::workspace(p);
+    case 1: return MixedRun<T, TE, Q, 128, false>::workspace(p);
+    default: return MixedRun<T, TE, Q, 256, false>::workspace(p);
+  }
 }
 
 template <typename T, typename TE>
