@@ -400,6 +400,10 @@ struct TcvParams {
   int64_t y_rs, y_cs;
   int64_t N, K;
   int M, act;
+  // Set by the host from the above: the stride between a lane's weight rows (8 rows) in
+  // bytes and in scale elements, and how far the group index moves between two chunks a
+  // warp loads (KW chunks apart): gstep whole groups plus grstep elements of k.
+  int64_t q_rs8, s_rs8, gstep, grstep;
 };
 
 // Streaming 16-byte weight load: read once, keep it out of L1 (x lives there).
@@ -452,25 +456,33 @@ __device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t a, uint32_t b) 
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
-// Nibbles i and i + 4 of w (w already xor 0x88888888: nibble = q + 8) as two exact 16-bit
-// values q: 0x6400 | u = 1024 + u (f16), 0x4300 | u = 128 + u (bf16), minus the bias.
-template <typename T>
-__device__ __forceinline__ uint32_t dq4(uint32_t wx, int i) {
-  constexpr uint32_t magic = std::is_same<T, __half>::value ? 0x64006400u : 0x43004300u;
-  constexpr uint32_t bias = std::is_same<T, __half>::value ? 0x64086408u : 0x43084308u;
-  return sub2<T>(((wx >> (4 * i)) & 0x000F000Fu) | magic, bias);
-}
-// The same two nibbles as 16-bit values still offset by the magic number and the bias of
-// 8 (1032 + q in f16, 136 + q in bf16, exact): the MMA then sums (OFF + q) x, and OFF . x
-// is subtracted once per chunk (see gemv_tc_kernel) instead of once per weight pair.
-template <typename T>
-__device__ __forceinline__ uint32_t dq4_offset(uint32_t wx, int i) {
-  constexpr uint32_t magic = std::is_same<T, __half>::value ? 0x64006400u : 0x43004300u;
-  return ((wx >> (4 * i)) & 0x000F000Fu) | magic;
-}
 template <typename T>
 __host__ __device__ constexpr uint32_t dq4_offset_pair() {  // OFF in both halves: 1032 (f16) / 136 (bf16)
   return std::is_same<T, __half>::value ? 0x64086408u : 0x43084308u;
+}
+
+// (a & b) ^ c as one LOP3: written as (a & imm) | imm the compiler emits two, since an
+// instruction carries one immediate.
+__device__ __forceinline__ uint32_t and_xor(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Nibbles i and i + 4 of the packed word w (signed q, two's complement) as two exact 16-bit
+// values still offset by the magic number and the bias of 8: u = q + 8 is the nibble xor 8,
+// and 0x6400 | u = 1024 + u (f16), 0x4300 | u = 128 + u (bf16); the magic's low bits are
+// zero, so (nibble ^ 8) | magic = nibble ^ (magic | 8) = nibble ^ OFF's bits. That gives
+// OFF + q (1032 + q in f16, 136 + q in bf16): the MMA then sums (OFF + q) x, and OFF . x is
+// subtracted once per chunk (see gemv_tc_kernel) instead of once per weight pair.
+template <typename T>
+__device__ __forceinline__ uint32_t dq4_offset(uint32_t w, int i) {
+  return and_xor(w >> (4 * i), 0x000F000Fu, dq4_offset_pair<T>());
+}
+// The same two nibbles as the exact values q.
+template <typename T>
+__device__ __forceinline__ uint32_t dq4(uint32_t w, int i) {
+  return sub2<T>(dq4_offset<T>(w, i), dq4_offset_pair<T>());
 }
 
 // Bytes 2h and 2h + 1 of w (signed int8) as two exact 16-bit values.
@@ -497,6 +509,20 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   const int64_t nchunks = p.K / CHUNK;
   const T* xg = static_cast<const T*>(p.x);
 
+  // The lane's weight rows are n0 + g + 8 j (j = 2 rt + h): one base address (strides from
+  // the parameters), their bounds as a bit mask, and the scale index of the next chunk to
+  // load, advanced without a division. Few registers: the kernel is at its cap of 128.
+  const uint8_t* wbase = p.q + (n0 + g) * p.q_rs + tig * (LK * BITS / 8);
+  unsigned rows_ok = 0;
+#pragma unroll
+  for (int j = 0; j < 2 * RT; ++j) rows_ok |= (n0 + g + 8 * j < p.N ? 1u : 0u) << j;
+  int64_t sidx = 0, grem = 0;  // (n0 + g) * s_rs + group of k; k - group * gs
+  if (p.mode != 0) {
+    const int64_t k0 = static_cast<int64_t>(warp) * CHUNK + tig * LK, g0 = k0 / p.gs;
+    sidx = (n0 + g) * p.s_rs + g0;
+    grem = k0 - g0 * p.gs;
+  }
+
   float acc[RT][MT][4];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
@@ -508,8 +534,11 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // x is prefetched one chunk ahead with the weights, except for int4 at M > 8, where the
   // two register stages of x (64 registers) would spill: there x is loaded per chunk.
   constexpr bool XPF = !(BITS == 4 && MT == 2);
-  uint4 wn[RT][2], xn[MT][XU];
-  uint32_t sn[RT][2];  // raw scale bits (mode 1, 2)
+  struct Stage {
+    uint4 w[RT][2];
+    uint32_t s[RT][2];  // raw scale bits (mode 1, 2)
+    uint4 x[MT][XU];
+  };
   auto load_x = [&](int64_t c, uint4 (&xd)[MT][XU]) {
     const int64_t k = c * CHUNK + tig * LK;
 #pragma unroll
@@ -524,46 +553,35 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
       }
     }
   };
-  auto load = [&](int64_t c) {
-    const int64_t k = c * CHUNK + tig * LK;
-    const int64_t gi = p.mode == 0 ? 0 : div_nn(k, p.gs);  // once per chunk
+  // Loads chunk c into st; called for c = warp, warp + KW, ... in this order.
+  auto load = [&](int64_t c, Stage& st) {
+    const uint8_t* pc = wbase + c * (CHUNK * BITS / 8);
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int64_t n = n0 + rt * 16 + h * 8 + g;
-        wn[rt][h] = make_uint4(0u, 0u, 0u, 0u);
-        sn[rt][h] = 0u;
-        if (n < p.N) {
-          wn[rt][h] = ldg_stream(p.q + n * p.q_rs + k * BITS / 8);
-          if (p.mode != 0) sn[rt][h] = ldg_scale_bits(p.scales, p.s_dt, n * p.s_rs + gi);
+        const int j = 2 * rt + h;
+        st.w[rt][h] = make_uint4(0u, 0u, 0u, 0u);
+        st.s[rt][h] = 0u;
+        if (rows_ok & (1u << j)) {
+          st.w[rt][h] = ldg_stream(pc + j * p.q_rs8);
+          if (p.mode != 0) st.s[rt][h] = ldg_scale_bits(p.scales, p.s_dt, sidx + j * p.s_rs8);
         }
       }
-    if constexpr (XPF) load_x(c, xn);
-  };
-
-  int64_t c = warp;
-  if (c < nchunks) load(c);
-  for (; c < nchunks; c += KW) {
-    uint4 wc[RT][2], xc[MT][XU];
-    uint32_t sc[RT][2];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        wc[rt][h] = wn[rt][h];
-        sc[rt][h] = sn[rt][h];
+    if (p.mode != 0) {
+      sidx += p.gstep;
+      grem += p.grstep;
+      if (grem >= p.gs) {
+        grem -= p.gs;
+        ++sidx;
       }
-    if constexpr (XPF) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int u = 0; u < XU; ++u) xc[mt][u] = xn[mt][u];
-    } else {
-      load_x(c, xc);
     }
-    if (c + KW < nchunks) load(c + KW);
-
+    if constexpr (XPF) load_x(c, st.x);
+  };
+  auto compute = [&](int64_t c, const Stage& st) {
+    uint4 xl[MT][XU];
+    if constexpr (!XPF) load_x(c, xl);
+    const uint4(*xc)[XU] = XPF ? st.x : xl;
     const bool fold = p.mode == 2;
     // x as B fragments, once per chunk for all RT weight tiles: [j][t][mt] for int4
     // (prmt into the permuted k order), [j][mt] for int8 (the words as they are).
@@ -606,8 +624,8 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) part[mt][r] = 0.f;
       // Scales converted here, a chunk after their loads were issued (see ldg_scale_bits).
-      const float sf0 = p.mode == 0 ? 1.f : scale_from_bits(sc[rt][0], p.s_dt);
-      const float sf1 = p.mode == 0 ? 1.f : scale_from_bits(sc[rt][1], p.s_dt);
+      const float sf0 = p.mode == 0 ? 1.f : scale_from_bits(st.s[rt][0], p.s_dt);
+      const float sf1 = p.mode == 0 ? 1.f : scale_from_bits(st.s[rt][1], p.s_dt);
       uint32_t s0 = 0u, s1 = 0u;
       if (fold) {
         s0 = pack2<T>(sf0, sf0);
@@ -615,22 +633,21 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t w0 = word_of(wc[rt][0], j), w1 = word_of(wc[rt][1], j);
+        const uint32_t w0 = word_of(st.w[rt][0], j), w1 = word_of(st.w[rt][1], j);
         if constexpr (BITS == 4) {
-          const uint32_t x0 = w0 ^ 0x88888888u, x1 = w1 ^ 0x88888888u;
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
             uint32_t a[4];
             if constexpr (OFFSET) {
-              a[0] = dq4_offset<T>(x0, 2 * t);
-              a[1] = dq4_offset<T>(x1, 2 * t);
-              a[2] = dq4_offset<T>(x0, 2 * t + 1);
-              a[3] = dq4_offset<T>(x1, 2 * t + 1);
+              a[0] = dq4_offset<T>(w0, 2 * t);
+              a[1] = dq4_offset<T>(w1, 2 * t);
+              a[2] = dq4_offset<T>(w0, 2 * t + 1);
+              a[3] = dq4_offset<T>(w1, 2 * t + 1);
             } else {
-              a[0] = dq4<T>(x0, 2 * t);
-              a[1] = dq4<T>(x1, 2 * t);
-              a[2] = dq4<T>(x0, 2 * t + 1);
-              a[3] = dq4<T>(x1, 2 * t + 1);
+              a[0] = dq4<T>(w0, 2 * t);
+              a[1] = dq4<T>(w1, 2 * t);
+              a[2] = dq4<T>(w0, 2 * t + 1);
+              a[3] = dq4<T>(w1, 2 * t + 1);
               if (fold) {
                 a[0] = mul2<T>(a[0], s0);
                 a[2] = mul2<T>(a[2], s0);
@@ -670,6 +687,34 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         acc[rt][mt][2] = fmaf(f1, part[mt][2], acc[rt][mt][2]);
         acc[rt][mt][3] = fmaf(f1, part[mt][3], acc[rt][mt][3]);
       }
+    }
+  };
+
+  int64_t c = warp;
+  if constexpr (BITS == 4) {
+    // Two stages used in turn (the loop body is written out twice), so that the stage being
+    // loaded is never copied into the one being computed: the copy cost ~40 moves per
+    // chunk, and int4 runs 8-22% faster without it (bench/GPU_NOTES.md, run 28).
+    Stage sa, sb;
+    if (c < nchunks) load(c, sa);
+    while (c < nchunks) {
+      if (c + KW < nchunks) load(c + KW, sb);
+      compute(c, sa);
+      c += KW;
+      if (c >= nchunks) break;
+      if (c + KW < nchunks) load(c + KW, sa);
+      compute(c, sb);
+      c += KW;
+    }
+  } else {
+    // int8 keeps one loop body and copies the next stage: with the two stages in turn its
+    // per-channel kernel was 2-7% slower (run 28).
+    Stage next;
+    if (c < nchunks) load(c, next);
+    for (; c < nchunks; c += KW) {
+      const Stage cur = next;
+      if (c + KW < nchunks) load(c + KW, next);
+      compute(c, cur);
     }
   }
 
@@ -743,6 +788,10 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.gs = a.w.group_size;
   p.mode = p.gs == 0 ? 0 : (p.gs % Cfg::CHUNK == 0 ? 1 : 2);
   if (p.gs == 0) p.gs = 1;  // unused; keeps the division defined
+  p.q_rs8 = 8 * p.q_rs;
+  p.s_rs8 = 8 * p.s_rs;
+  p.gstep = (tcv::KW * Cfg::CHUNK) / p.gs;
+  p.grstep = tcv::KW * Cfg::CHUNK - p.gstep * p.gs;
   p.bias = a.bias;
   p.bias_stride = a.bias_stride;
   p.y = a.y.data;
