@@ -2,9 +2,11 @@
 //
 // Two regimes:
 //  * small M (decode; M <= 16 or 32, see kSmallM): bandwidth-bound on the weight. x is
-//    converted once to a contiguous fp32 buffer (bf16 x with per-channel scales on
-//    AVX512-BF16 CPUs: also a bf16 copy, see small_block_bf16); threads take blocks of
-//    output channels;
+//    converted once to a contiguous fp32 buffer; for bf16 x on AVX512-BF16 CPUs also to a
+//    bf16 copy in the lane order of the vdpbf16ps blocks (small_block_nib for int4 up to
+//    M = 7 and int8 up to M = 3, with a per-group offset seed; beyond that, per-channel
+//    scales use small_block_bf16, group scales the fp32 FMA block); threads take blocks
+//    of output channels;
 //    each weight row is streamed once per chunk of up to 8 rows of x (later chunks hit
 //    L1, the block of weight rows is a few KB), dequantised in registers and FMA'd
 //    against every row of the chunk. Group scales are applied per group (see
@@ -216,6 +218,13 @@ struct SmallJob {
   // dequantised weights (int4: per 32 k, the 16 even k then the 16 odd k), for vdpbf16ps.
   const uint16_t* xb = nullptr;
   int64_t ldxb = 0;
+  // bf16 x, AVX512-BF16, per-channel or group scales in whole blocks (see small_block_nib):
+  // x as bf16 in the nibble lane order, and per row of x and group the 16-lane offset
+  // correction that starts each group's partial sums.
+  const uint16_t* xn = nullptr;
+  int64_t ldxn = 0;
+  const float* seed = nullptr;
+  int64_t nseed = 0;
   mutable std::atomic<bool> failed{false};
 };
 
@@ -356,10 +365,11 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
 }
 
 // The same block for bf16 x and per-channel scales with vdpbf16ps: 32 k per step, the
-// int8 / int4 values as bf16 pairs (exact), one vdpbf16ps per row of x doing the work of
-// two FMAs, the scale applied to the fp32 sums. (Group scales would need a partial sum
-// per group next to each accumulator, or q * s rounded to bf16; the first halves the
-// block and lost the gain, the second broke the fuzz tolerance: those keep the FMA path.)
+// int8 / int4 values as bf16 pairs (exact, through fp32 and two vpermps or conversions),
+// one vdpbf16ps per row of x doing the work of two FMAs, the scale applied to the fp32
+// sums. Now only where small_block_nib does not apply (int4 from M = 8, int8 from M = 4,
+// K below one block); q * s
+// rounded to bf16 broke the fuzz tolerance, so group scales keep the FMA path there.
 // x is the job's bf16 copy in the weights' lane order.
 template <int MB, int NB, bool INT4>
 PG_TARGET_AVX512_BF16 void small_block_bf16(const SmallJob& job, const int64_t* rows, int64_t m0,
@@ -405,6 +415,102 @@ PG_TARGET_AVX512_BF16 void small_block_bf16(const SmallJob& job, const int64_t* 
                         (_mm512_reduce_add_ps(acc[r][m]) + tail_dot(q[r], INT4, x + m * job.ldx, kvec, K));
 }
 
+// Weight-only block with vdpbf16ps and no shuffles, for bf16 x (per-channel scales, or
+// groups of whole blocks). A block is one 64-byte load per weight row: 128 k of int4 or
+// 64 k of int8, seen as 32 16-bit words of 4 nibbles each. Nibble j of every word becomes
+// a bf16 word by one shift and one vpternlogd: (word >> 4j) & 0xF, OR'd with 0x4300 (bf16
+// 128.0, whose last mantissa bit is worth 1) so the word reads 128 + nibble exactly, and
+// XOR'd with 8 for signed nibbles (two's complement: nibble ^ 8 = value + 8):
+//  * int4: every nibble is a signed value q, the bf16 word is 136 + q;
+//  * int8: q = 16 h + l (h the signed high nibble, l the unsigned low one): words 136 + h
+//    against x and 128 + l against x / 16 (exact in bf16), together q x / 16 + 144 x; the
+//    16 goes into the scale.
+// Four vdpbf16ps per block (one per j) add 32 weights each against the job's bf16 x copy
+// in the same lane order (xn). The constant part (136 or 144 times the sum of the x of a
+// lane) is taken off by starting the partial sums of every group (per-channel: of every
+// block) from the precomputed seed, and each group's sums go into the accumulators with
+// one FMA by the scale (per-channel: one add, the scale comes last). Products are exact
+// in fp32 (8-bit by 8-bit mantissas); the sums are rounded like on the FMA path, but at
+// the size of 136 |x| per weight instead of |q x|: an absolute error of about 2^-24 *
+// 136 * max|x| * scale per group. That stays far below the bf16 output rounding unless a
+// single x is ~1000x the typical one and its weight is 0.
+template <int MB, int NB, bool INT4>
+PG_TARGET_AVX512_BF16 void small_block_nib(const SmallJob& job, const int64_t* rows, int64_t m0,
+                                           bool prefetch, float* out /* [NB][MB] */) {
+  constexpr int64_t BK = INT4 ? 128 : 64;
+  constexpr float kUnit = INT4 ? 1.f : 16.f;  // the sums are of q x / kUnit
+  const QuantizedWeight& w = job.args->w;
+  const int64_t K = job.k;
+  const int64_t kvec = K / BK * BK;
+  const bool grouped = w.group_size > 0;
+  const int64_t gs = grouped ? w.group_size : BK;  // k per seed
+  const int64_t nseed = job.nseed;
+  const uint8_t* q[NB];
+  for (int r = 0; r < NB; ++r) q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride;
+  const uint16_t* xn = job.xn + m0 * job.ldxn;
+  const int64_t ldxn = job.ldxn;
+  const float* seed = job.seed + m0 * nseed * 16;
+  const int64_t lds = nseed * 16;
+  const int64_t pf = NB * w.row_stride;  // the next block of rows (small_rows_nib)
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  const __m512i c_lo = _mm512_set1_epi16(INT4 ? 0x4308 : 0x4300);
+  const __m512i c_hi = _mm512_set1_epi16(0x4308);
+
+  __m512 acc[NB][MB];
+  PG_UNROLL for (int r = 0; r < NB; ++r)
+    PG_UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < nseed; ++g) {
+    __m512 part[NB][MB];
+    PG_UNROLL for (int m = 0; m < MB; ++m) {
+      const __m512 sd = _mm512_load_ps(seed + m * lds + g * 16);
+      PG_UNROLL for (int r = 0; r < NB; ++r) part[r][m] = sd;
+    }
+    const int64_t kend = (g + 1) * gs;
+    for (int64_t k = g * gs; k < kend; k += BK) {
+      const int64_t xo = k / BK * 128;
+      __m512i raw[NB];
+      PG_UNROLL for (int r = 0; r < NB; ++r)
+        raw[r] = _mm512_loadu_si512(q[r] + (INT4 ? k / 2 : k));
+      // The hardware prefetchers alone keep too few lines in flight per core (each row
+      // is a short stream): fetch the same k of the next block of rows into L2 now.
+      if (prefetch)
+        PG_UNROLL for (int r = 0; r < NB; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + (INT4 ? k / 2 : k) + pf, _MM_HINT_T1);
+      PG_UNROLL for (int j = 0; j < 4; ++j) {
+        __m512bh wj[NB];
+        PG_UNROLL for (int r = 0; r < NB; ++r) {
+          const __m512i v = j == 0 ? raw[r] : _mm512_srli_epi16(raw[r], 4 * j);
+          // imm 0x6A: (A & B) ^ C
+          wj[r] = (__m512bh)_mm512_ternarylogic_epi32(v, low4, (j & 1) ? c_hi : c_lo, 0x6A);
+        }
+        PG_UNROLL for (int m = 0; m < MB; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xn + m * ldxn + xo + j * 32);
+          PG_UNROLL for (int r = 0; r < NB; ++r)
+            part[r][m] = _mm512_dpbf16_ps(part[r][m], wj[r], xv);
+        }
+      }
+    }
+    if (grouped) {
+      PG_UNROLL for (int r = 0; r < NB; ++r) {
+        const __m512 sv = _mm512_set1_ps(kUnit * scale_at(w, rows[r], g));
+        PG_UNROLL for (int m = 0; m < MB; ++m)
+          acc[r][m] = _mm512_fmadd_ps(part[r][m], sv, acc[r][m]);
+      }
+    } else {
+      PG_UNROLL for (int r = 0; r < NB; ++r)
+        PG_UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_add_ps(acc[r][m], part[r][m]);
+    }
+  }
+  PG_UNROLL for (int r = 0; r < NB; ++r)
+    PG_UNROLL for (int m = 0; m < MB; ++m) out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
+  if (!grouped)  // job.x is in plain k order on this path
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m)
+        out[r * MB + m] = scale_at(w, rows[r], 0) *
+                          (kUnit * out[r * MB + m] +
+                           (kvec < K ? tail_dot(q[r], INT4, job.x + (m0 + m) * job.ldx, kvec, K) : 0.f));
+}
+
 // Register budget (32 zmm): NB x MB accumulators + NB (int4: 2 NB) dequantised weight
 // vectors + the x operand. MB = 8 pairs with NB = 2; smaller MB takes NB = 4 so that
 // each x load feeds four FMAs and four independent weight streams are in flight.
@@ -422,6 +528,44 @@ void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, 
     small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
   for (int r = 0; r < nb; ++r)
     for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
+}
+
+// small_block_nib keeps a partial sum per group next to each accumulator: 2 NB MB
+// registers, + NB raw weight vectors + NB unpacked ones + x + 3 constants. MB = 1, 2 with
+// NB = 4; MB = 4 with NB = 2; MB = 8 with NB = 1.
+template <int MB, int NB, bool INT4>
+void small_pass_nib(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, int64_t ldr,
+                    int64_t n0) {
+  int64_t rows[NB];
+  for (int r = 0; r < NB; ++r) rows[r] = n + std::min(r, nb - 1);
+  float out[NB * MB];
+  small_block_nib<MB, NB, INT4>(job, rows, m0, m0 == 0, out);
+  for (int r = 0; r < nb; ++r)
+    for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
+}
+
+template <bool INT4>
+void small_rows_nib(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
+  const int64_t m8 = job.m / 8 * 8;
+  const int64_t rest = job.m - m8;
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nb4 = int(std::min<int64_t>(4, n1 - n));
+    for (int64_t m0 = 0; m0 < m8; m0 += 8)
+      for (int64_t h = 0; h < nb4; ++h) small_pass_nib<8, 1, INT4>(job, n + h, 1, m0, res, ldr, n0);
+    int64_t m0 = m8;
+    if (rest & 4) {
+      if (INT4) {
+        for (int64_t h = 0; h < nb4; h += 2)
+          small_pass_nib<4, 2, INT4>(job, n + h, int(std::min<int64_t>(2, nb4 - h)), m0, res, ldr, n0);
+      } else {  // int8 x is twice as large: two rows of it at a time stay in L1
+        small_pass_nib<2, 4, INT4>(job, n, nb4, m0, res, ldr, n0);
+        small_pass_nib<2, 4, INT4>(job, n, nb4, m0 + 2, res, ldr, n0);
+      }
+      m0 += 4;
+    }
+    if (rest & 2) { small_pass_nib<2, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
+    if (rest & 1) { small_pass_nib<1, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
+  }
 }
 
 template <bool INT4>
@@ -447,7 +591,12 @@ void small_task_impl(const SmallJob& job, int64_t n0, int64_t n1) {
   const int64_t cols = n1 - n0;
   float* res = scratch(0, size_t(job.m * cols));
 #if PG_X86
-  if (job.vector_path) {
+  if (job.xn != nullptr) {
+    if (job.args->w.bits == 4)
+      small_rows_nib<true>(job, n0, n1, res, cols);
+    else
+      small_rows_nib<false>(job, n0, n1, res, cols);
+  } else if (job.vector_path) {
     if (job.args->w.bits == 4)
       small_rows_avx512<true>(job, n0, n1, res, cols);
     else
@@ -463,6 +612,81 @@ void small_task_impl(const SmallJob& job, int64_t n0, int64_t n1) {
 void small_task(void* ctx, int64_t n0, int64_t n1) {
   const SmallJob& job = *static_cast<const SmallJob*>(ctx);
   guarded(job.failed, [&] { small_task_impl(job, n0, n1); });
+}
+
+// small_block_nib applies: bf16 x on AVX512-BF16, groups of whole 64-byte blocks, few rows.
+bool small_m_nib(const MixedLinearArgs& a) {
+#if PG_X86
+  const int64_t bk = a.w.bits == 4 ? 128 : 64;
+  // Up to these M it beats the FMA / vpermps blocks (A/B, 4096x4096): with more rows of
+  // x their loads (mostly from L2: 8 KB (int4) or 16 KB (int8) of x per row at K = 4096)
+  // bound the block, whose partial sums also halve the register budget.
+  const int64_t max_m = a.w.bits == 4 ? 7 : 3;
+  return has_bf16_x_pairs(a) && a.x.rows <= max_m && a.w.k >= bk &&
+         (a.w.group_size == 0 || a.w.group_size % bk == 0);
+#else
+  (void)a;
+  return false;
+#endif
+}
+
+// Every |x| < 2^100 (no inf or NaN either): the seeds cannot overflow, and x / 16 stays
+// far from the bf16 subnormals (which vdpbf16ps flushes) unless x itself is tiny.
+bool x_fits_nib(const ConstMatrix& x) {
+  const uint16_t* p = static_cast<const uint16_t*>(x.data);
+  uint16_t worst = 0;
+  for (int64_t m = 0; m < x.rows; ++m)
+    for (int64_t k = 0; k < x.cols; ++k)
+      worst = std::max<uint16_t>(worst, p[m * x.row_stride + k * x.col_stride] & 0x7FFF);
+  return worst < 0x7180;  // bf16 2^100
+}
+
+// job.xn and job.seed from the plain fp32 x (job.x, exact copies of the bf16 values). Per
+// block b of BK k, 4 vectors of 32 bf16 words in the lane order of small_block_nib:
+//  * int4: vector j, word i = x[b + 4i + j]; lane p of the results sums k = b + 8p .. +7;
+//  * int8: x[b + 2i] / 16, x[b + 2i], x[b + 2i + 1] / 16, x[b + 2i + 1]; lane p sums
+//    k = b + 4p .. +3.
+// seed[m][g][p] = -136 (int4) or -144 (int8) times the sum of x over lane p's k in group
+// g (per-channel: in block g).
+void prepare_nib(const MixedLinearArgs& args, SmallJob& job) {
+  const bool int4 = args.w.bits == 4;
+  const int64_t bk = int4 ? 128 : 64, K = job.k, M = job.m;
+  const int64_t kvec = K / bk * bk;
+  const int64_t gs = args.w.group_size > 0 ? args.w.group_size : bk;
+  job.nseed = kvec / gs;
+  job.ldxn = kvec / bk * 128 + 32;  // + one cache line: rows of x in different L1 sets
+  uint16_t* xn = reinterpret_cast<uint16_t*>(scratch(1, size_t(M * job.ldxn / 2 + 16)));
+  float* seed = scratch(5, size_t(M * job.nseed * 16));
+  const float c = int4 ? -136.f : -144.f;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = job.x + m * job.ldx;
+    uint16_t* d = xn + m * job.ldxn;
+    float* sd = seed + m * job.nseed * 16;
+    for (int64_t i = 0; i < job.nseed * 16; ++i) sd[i] = 0.f;
+    for (int64_t b = 0; b < kvec; b += bk) {
+      uint16_t* v = d + b / bk * 128;
+      float* sg = sd + (b / gs) * 16;
+      const float* xb = xm + b;
+      if (int4) {
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 32; ++i) v[j * 32 + i] = f32_to_bf16(xb[4 * i + j]);
+        for (int p = 0; p < 16; ++p)
+          for (int t = 0; t < 8; ++t) sg[p] += xb[8 * p + t];
+      } else {
+        for (int i = 0; i < 32; ++i) {
+          v[i] = f32_to_bf16(xb[2 * i] * 0.0625f);
+          v[32 + i] = f32_to_bf16(xb[2 * i]);
+          v[64 + i] = f32_to_bf16(xb[2 * i + 1] * 0.0625f);
+          v[96 + i] = f32_to_bf16(xb[2 * i + 1]);
+        }
+        for (int p = 0; p < 16; ++p)
+          for (int t = 0; t < 4; ++t) sg[p] += xb[4 * p + t];
+      }
+    }
+    for (int64_t i = 0; i < job.nseed * 16; ++i) sd[i] *= c;
+  }
+  job.xn = xn;
+  job.seed = seed;
 }
 
 bool small_m(const MixedLinearArgs& args, const Executor& exec) {
@@ -488,7 +712,8 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   float* x = scratch(2, size_t(M * job.ldx));
   const int64_t es = int64_t(dtype_size(args.x.dtype));
   const char* xb = static_cast<const char*>(args.x.data);
-  const bool permute = job.vector_path && args.w.bits == 4;
+  const bool nib = job.vector_path && small_m_nib(args) && x_fits_nib(args.x);
+  const bool permute = job.vector_path && args.w.bits == 4 && !nib;
   float* tmp = permute ? scratch(4, size_t(K)) : nullptr;
   for (int64_t m = 0; m < M; ++m) {
     float* xm = x + m * job.ldx;
@@ -507,6 +732,11 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
     for (int64_t k = kvec; k < K; ++k) xm[k] = tmp[k];
   }
   job.x = x;
+#if PG_X86
+  if (nib) {
+    prepare_nib(args, job);
+  } else
+#endif
   if (job.vector_path && args.w.group_size == 0 && small_m_bf16(args)) {
     job.ldxb = (K + 31) / 32 * 32;
     uint16_t* xbuf = reinterpret_cast<uint16_t*>(scratch(1, size_t(M * job.ldxb / 2 + 16)));
