@@ -1,16 +1,21 @@
 // Weight-only quantised linear: y = act(x @ dequant(w)^T + bias).
 //
 // Two regimes:
-//  * small M (decode; M <= 16 or 32, see kSmallM): bandwidth-bound on the weight. x is
-//    converted once to a contiguous fp32 buffer; for bf16 x on AVX512-BF16 CPUs also to a
-//    bf16 copy in the lane order of the vdpbf16ps blocks (small_block_nib for int4 up to
-//    M = 7 and int8 up to M = 3, with a per-group offset seed; beyond that, per-channel
-//    scales use small_block_bf16, group scales the fp32 FMA block); threads take blocks
-//    of output channels;
-//    each weight row is streamed once per chunk of up to 8 rows of x (later chunks hit
-//    L1, the block of weight rows is a few KB), dequantised in registers and FMA'd
-//    against every row of the chunk. Group scales are applied per group (see
-//    small_block_avx512), so no horizontal reductions happen inside K.
+//  * small M (decode; M <= 16 or 32, see kSmallM): threads take blocks of output channels.
+//    x is converted once to a contiguous fp32 buffer. For bf16 x on AVX512-BF16 CPUs
+//    (groups of whole 64-byte weight blocks) also to a bf16 copy in the lane order of one
+//    of two vdpbf16ps paths, both with exact int -> bf16 weights and group scales applied
+//    in fp32 per group:
+//    - the fewest rows (small_m_nib: int4 up to M = 7 with group scales, 3 per channel;
+//      int8 up to 2 / 1): small_block_nib, memory-bound, the weight turned into bf16
+//      128 + nibble words by a shift and a vpternlogd, the offset removed by per-group
+//      seeds;
+//    - more rows: small_rows_tile, compute-bound, a 4 x 4 register tile over weights
+//      unpacked once per block of 4 rows into an L1 buffer.
+//    Otherwise (f32 / f16 x, no AVX512-BF16) each weight row is streamed once per chunk of
+//    up to 8 rows of x (later chunks hit L1), dequantised in registers and FMA'd against
+//    every row of the chunk (small_block_avx512). Group scales are applied per group, so
+//    no horizontal reductions happen inside K.
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
@@ -35,16 +40,20 @@ namespace {
 
 // Above these M the dense path wins (measured A/B on the dev machine): from 17 rows when x
 // is bf16 and the vdpbf16ps GEMM runs it, unless the small path uses vdpbf16ps as well
-// (per-channel scales); from 33 rows otherwise.
+// and per-channel scales (small_rows_tile); from 33 rows otherwise. (Group scales with
+// small_rows_tile above 16 rows: not measured.)
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kSmallMPairs = 16;
 
 bool has_bf16_x_pairs(const MixedLinearArgs& a) {
   return a.x.dtype == DType::bf16 && has_bf16_pair_kernels();
 }
-// The vdpbf16ps small-M block applies (per-channel scales, a vector of K).
+// The vdpbf16ps small-M blocks apply (small_block_nib, small_rows_tile): whole 64-byte
+// blocks of weight (128 k of int4, 64 k of int8) per group.
+int64_t nib_bk(const QuantizedWeight& w) { return w.bits == 4 ? 128 : 64; }
 bool small_m_bf16(const MixedLinearArgs& a) {
-  return has_bf16_x_pairs(a) && a.w.group_size == 0 && a.w.k >= 32;
+  const int64_t bk = nib_bk(a.w);
+  return has_bf16_x_pairs(a) && a.w.k >= bk && (a.w.group_size == 0 || a.w.group_size % bk == 0);
 }
 // bf16 x on AMX from this M up: below it the weight dequantisation (per weight, not per
 // row of x) costs more than the AVX-512 FMA path, which is bandwidth-bound up to M ~ 4.
@@ -214,10 +223,10 @@ struct SmallJob {
   int64_t m, n, k;
   Epilogue ep;
   bool vector_path;
-  // bf16 x, per-channel scales, AVX512-BF16: x also as bf16 in the lane order of the
-  // dequantised weights (int4: per 32 k, the 16 even k then the 16 odd k), for vdpbf16ps.
-  const uint16_t* xb = nullptr;
-  int64_t ldxb = 0;
+  // bf16 x, AVX512-BF16, more rows (see small_rows_tile): x as bf16 in the lane order of
+  // the unpacked weights, K up to kvec in slices of kc.
+  const uint16_t* xt = nullptr;
+  int64_t ldxt = 0, kvec = 0, kc = 0, ngroups = 1;
   // bf16 x, AVX512-BF16, per-channel or group scales in whole blocks (see small_block_nib):
   // x as bf16 in the nibble lane order, and per row of x and group the 16-lane offset
   // correction that starts each group's partial sums.
@@ -364,57 +373,6 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
         out[r * MB + m] += tail_dot(q[r], INT4, x + m * ldx, kvec, K) * scale_at(w, rows[r], 0);
 }
 
-// The same block for bf16 x and per-channel scales with vdpbf16ps: 32 k per step, the
-// int8 / int4 values as bf16 pairs (exact, through fp32 and two vpermps or conversions),
-// one vdpbf16ps per row of x doing the work of two FMAs, the scale applied to the fp32
-// sums. Now only where small_block_nib does not apply (int4 from M = 8, int8 from M = 4,
-// K below one block); q * s
-// rounded to bf16 broke the fuzz tolerance, so group scales keep the FMA path there.
-// x is the job's bf16 copy in the weights' lane order.
-template <int MB, int NB, bool INT4>
-PG_TARGET_AVX512_BF16 void small_block_bf16(const SmallJob& job, const int64_t* rows, int64_t m0,
-                                            float* out /* [NB][MB] */) {
-  const QuantizedWeight& w = job.args->w;
-  const int64_t K = job.k;
-  const int64_t kvec = K / 32 * 32;
-  const uint8_t* q[NB];
-  for (int r = 0; r < NB; ++r) q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride;
-  const uint16_t* xb = job.xb + m0 * job.ldxb;
-  const int64_t ldxb = job.ldxb;
-  const __m512 nibbles = nibble_table();
-
-  __m512 acc[NB][MB];
-  PG_UNROLL for (int r = 0; r < NB; ++r)
-    PG_UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kvec; k += 32) {
-    __m512bh wp[NB];
-    PG_UNROLL for (int r = 0; r < NB; ++r) {
-      if (INT4) {
-        const __m512i v = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + k / 2)));
-        wp[r] = _mm512_cvtne2ps_pbh(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), nibbles),
-                                    _mm512_permutexvar_ps(v, nibbles));
-      } else {
-        const int8_t* qs = reinterpret_cast<const int8_t*>(q[r]) + k;
-        const __m512 a = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
-        const __m512 b = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
-        wp[r] = _mm512_cvtne2ps_pbh(b, a);  // a (k .. k+15) in the low half
-      }
-    }
-    PG_UNROLL for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * ldxb + k);
-      PG_UNROLL for (int r = 0; r < NB; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wp[r], xv);
-    }
-  }
-  const float* x = job.x + m0 * job.ldx;
-  PG_UNROLL for (int r = 0; r < NB; ++r)
-    PG_UNROLL for (int m = 0; m < MB; ++m)
-      out[r * MB + m] = scale_at(w, rows[r], 0) *
-                        (_mm512_reduce_add_ps(acc[r][m]) + tail_dot(q[r], INT4, x + m * job.ldx, kvec, K));
-}
-
 // Weight-only block with vdpbf16ps and no shuffles, for bf16 x (per-channel scales, or
 // groups of whole blocks). A block is one 64-byte load per weight row: 128 k of int4 or
 // 64 k of int8, seen as 32 16-bit words of 4 nibbles each. Nibble j of every word becomes
@@ -522,17 +480,14 @@ void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, 
   int64_t rows[NB];
   for (int r = 0; r < NB; ++r) rows[r] = n + std::min(r, nb - 1);
   float out[NB * MB];
-  if (job.xb != nullptr)
-    small_block_bf16<MB, NB, INT4>(job, rows, m0, out);
-  else
-    small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
+  small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
   for (int r = 0; r < nb; ++r)
     for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
 }
 
 // small_block_nib keeps a partial sum per group next to each accumulator: 2 NB MB
 // registers, + NB raw weight vectors + NB unpacked ones + x + 3 constants. MB = 1, 2 with
-// NB = 4; MB = 4 with NB = 2; MB = 8 with NB = 1.
+// NB = 4; MB = 4 with NB = 2.
 template <int MB, int NB, bool INT4>
 void small_pass_nib(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, int64_t ldr,
                     int64_t n0) {
@@ -544,28 +499,208 @@ void small_pass_nib(const SmallJob& job, int64_t n, int nb, int64_t m0, float* r
     for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
 }
 
+// Up to 7 rows of x (int4) or 2 (int8), see small_m_nib: chunks of 4, 2, 1 rows.
 template <bool INT4>
 void small_rows_nib(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
-  const int64_t m8 = job.m / 8 * 8;
-  const int64_t rest = job.m - m8;
   for (int64_t n = n0; n < n1; n += 4) {
     const int nb4 = int(std::min<int64_t>(4, n1 - n));
-    for (int64_t m0 = 0; m0 < m8; m0 += 8)
-      for (int64_t h = 0; h < nb4; ++h) small_pass_nib<8, 1, INT4>(job, n + h, 1, m0, res, ldr, n0);
-    int64_t m0 = m8;
-    if (rest & 4) {
-      if (INT4) {
+    int64_t m0 = 0;
+    if constexpr (INT4)
+      if (job.m & 4) {
         for (int64_t h = 0; h < nb4; h += 2)
           small_pass_nib<4, 2, INT4>(job, n + h, int(std::min<int64_t>(2, nb4 - h)), m0, res, ldr, n0);
-      } else {  // int8 x is twice as large: two rows of it at a time stay in L1
-        small_pass_nib<2, 4, INT4>(job, n, nb4, m0, res, ldr, n0);
-        small_pass_nib<2, 4, INT4>(job, n, nb4, m0 + 2, res, ldr, n0);
+        m0 += 4;
       }
-      m0 += 4;
-    }
-    if (rest & 2) { small_pass_nib<2, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
-    if (rest & 1) { small_pass_nib<1, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
+    if (job.m & 2) { small_pass_nib<2, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
+    if (job.m & 1) { small_pass_nib<1, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
   }
+}
+
+// ---- the tile path: more rows of x (bf16 x, AVX512-BF16) ----
+//
+// With more rows of x, the nibble block unpacks the weights again for every chunk of
+// rows, and its per-group partial sums take half of the registers. Here the work is
+// split like a small GEMM. Per block of 4 weight rows, K goes in chunks of kTileKc k; the
+// first chunk of up to 4 rows of x unpacks the weights to exact bf16 (int4: a shift and
+// one vpermw lookup per 32 weights; int8: through fp32) on the way and stores them in a
+// 4 KB L1 buffer, from which every further chunk of rows of x reads them. Each chunk runs
+// a 4 x MB register tile of vdpbf16ps (one load of x feeds 4, one load of weights MB).
+// q itself is the bf16 value, so there are no offsets and no seeds. Group scales: each
+// group's 16-lane partial sums go into fp32 sums in memory (4 MB vectors, next to the
+// partial sums there is no room for them in registers) with one FMA by the scale; per
+// channel the partial sums just carry over and the scale comes last. After the last chunk
+// the 4 x MB vectors are reduced across lanes together (reduce16).
+// Tried (A/B in bench/CPU_NOTES.md): slicing K so that x stays in L1 for all blocks of
+// rows (x is read from L2 at 1/4 line per vdpbf16ps, which is not what bounds it).
+constexpr int64_t kTileKc = 512;
+// Lane i of the result: the sum of the 16 lanes of v[i].
+PG_TARGET_AVX512 inline __m512 reduce16(const __m512* v) {
+  __m512 s1[8], s2[4], s3[2];
+  PG_UNROLL for (int i = 0; i < 8; ++i)  // 256-bit halves: v[2i] in lanes 0-7, v[2i+1] 8-15
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                          _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  PG_UNROLL for (int i = 0; i < 4; ++i)  // 128-bit lane t: v[4i + t]
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD));
+  PG_UNROLL for (int i = 0; i < 2; ++i)
+    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0xEE));
+  // Lane 4t + u: the sum of v[4u + t]; transposed back by the caller's index order.
+  return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+}
+
+// Word i of the table (i < 32): bf16 of the signed nibble i & 15. vpermw only looks at the
+// low 5 bits of an index, so the next nibble up needs no masking.
+alignas(64) const uint16_t kNibbleBf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};
+
+// One chunk k0 .. k0 + kc of the dot products of weight rows rows[r] (r < 4) with x rows
+// m0 + m (m < MB). The weights as bf16 come from wb[r][k] (in the lane order of job.xt),
+// or with UNPACK (the first chunk of rows of x) straight from the quantised rows, written
+// to wb on the way for the other chunks: int4 per 128 k one 64-byte load, shifts and a
+// vpermw lookup per 32 k (word i of vector j is k = 4i + j); int8 through fp32 (k order).
+// UNPACK also fetches the same k of the next block of rows into L2. The fp32 sums
+// [r][m][16 lanes] carry over between chunks in acc; after the last chunk they are
+// reduced and res[m0 + m][col + r] (r < nb) written.
+template <int MB, bool GROUPED, bool UNPACK, bool INT4>
+PG_TARGET_AVX512_BF16 void tile_block(const SmallJob& job, const int64_t* rows, uint16_t* wb,
+                                      int64_t k0, int64_t kc, int64_t m0, float* acc,
+                                      const float* sc, bool first, bool last, bool prefetch,
+                                      int nb, float* res, int64_t ldr, int64_t col) {
+  const QuantizedWeight& w = job.args->w;
+  const uint16_t* x = job.xt + m0 * job.ldxt + k0;
+  const int64_t ldx = job.ldxt;
+  const int64_t gs = GROUPED ? w.group_size : kc;
+  constexpr int J = UNPACK && INT4 ? 4 : 1;  // steps of 32 k per 64-byte weight load
+  const uint8_t* q[4];
+  PG_UNROLL for (int r = 0; r < 4; ++r)
+    q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride + (INT4 ? k0 / 2 : k0);
+  const int64_t pf = 4 * w.row_stride;
+  const __m512i table = _mm512_load_si512(kNibbleBf16);
+  __m512 part[4][MB];
+  for (int64_t g = 0; g < kc; g += gs) {
+    PG_UNROLL for (int r = 0; r < 4; ++r)
+      PG_UNROLL for (int m = 0; m < MB; ++m)
+        part[r][m] = GROUPED || first ? _mm512_setzero_ps() : _mm512_load_ps(acc + (r * MB + m) * 16);
+    for (int64_t k = g; k < g + gs; k += 32 * J) {
+      __m512i raw[4];
+      if constexpr (UNPACK && INT4)
+        PG_UNROLL for (int r = 0; r < 4; ++r) {
+          raw[r] = _mm512_loadu_si512(q[r] + k / 2);
+          if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(q[r] + k / 2 + pf), _MM_HINT_T1);
+        }
+      PG_UNROLL for (int j = 0; j < J; ++j) {
+        const int64_t kk = k + 32 * j;
+        __m512bh wv[4];
+        PG_UNROLL for (int r = 0; r < 4; ++r) {
+          if constexpr (!UNPACK) {
+            wv[r] = (__m512bh)_mm512_load_si512(wb + r * kc + kk);
+            continue;
+          } else if constexpr (INT4) {
+            wv[r] = (__m512bh)_mm512_permutexvar_epi16(
+                j == 0 ? raw[r] : _mm512_srli_epi16(raw[r], 4 * j), table);
+          } else {
+            const int8_t* src = reinterpret_cast<const int8_t*>(q[r]) + kk;
+            if (prefetch && (kk & 63) == 0)
+              _mm_prefetch(reinterpret_cast<const char*>(src) + pf, _MM_HINT_T1);
+            const __m512 lo = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+            const __m512 hi = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+            wv[r] = _mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 128
+          }
+          _mm512_store_si512(wb + r * kc + kk, (__m512i)wv[r]);
+        }
+        PG_UNROLL for (int m = 0; m < MB; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + kk);
+          PG_UNROLL for (int r = 0; r < 4; ++r) part[r][m] = _mm512_dpbf16_ps(part[r][m], wv[r], xv);
+        }
+      }
+    }
+    if constexpr (GROUPED) {
+      PG_UNROLL for (int r = 0; r < 4; ++r) {
+        const __m512 sv = _mm512_set1_ps(sc[r * job.ngroups]);
+        PG_UNROLL for (int m = 0; m < MB; ++m) {
+          float* a = acc + (r * MB + m) * 16;
+          _mm512_store_ps(a, first && g == 0 ? _mm512_mul_ps(part[r][m], sv)
+                                             : _mm512_fmadd_ps(part[r][m], sv, _mm512_load_ps(a)));
+        }
+      }
+      ++sc;
+    } else if (!last) {
+      PG_UNROLL for (int r = 0; r < 4; ++r)
+        PG_UNROLL for (int m = 0; m < MB; ++m) _mm512_store_ps(acc + (r * MB + m) * 16, part[r][m]);
+    }
+  }
+  if (!last) return;
+  __m512 v[16];
+  PG_UNROLL for (int m = 0; m < 4; ++m)
+    PG_UNROLL for (int r = 0; r < 4; ++r) {
+      if (m >= MB)
+        v[4 * m + r] = _mm512_setzero_ps();
+      else if constexpr (GROUPED)
+        v[4 * m + r] = _mm512_load_ps(acc + (r * MB + m) * 16);
+      else
+        v[4 * m + r] = part[r][m];
+    }
+  alignas(64) float sums[16];  // sums[4 r + m]
+  _mm512_store_ps(sums, reduce16(v));
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < nb; ++r)
+      res[(m0 + m) * ldr + col + r] = sums[4 * r + m] * (GROUPED ? 1.f : sc[r]);
+}
+
+template <int MB, bool INT4>
+void tile_block_any(const SmallJob& job, const int64_t* rows, uint16_t* wb, int64_t k0,
+                    int64_t kc, int64_t m0, float* acc, const float* sc, bool first, bool last,
+                    bool prefetch, int nb, float* res, int64_t ldr, int64_t col) {
+  const bool grouped = job.args->w.group_size > 0;
+  auto* f = m0 == 0 ? (grouped ? tile_block<MB, true, true, INT4> : tile_block<MB, false, true, INT4>)
+                    : (grouped ? tile_block<MB, true, false, INT4> : tile_block<MB, false, false, INT4>);
+  f(job, rows, wb, k0, kc, m0, acc, sc, first, last, prefetch, nb, res, ldr, col);
+}
+
+// Blocks of 4 weight rows; per block, K in chunks of job.kc, each for every chunk of up
+// to 4 rows of x (the first one unpacks the weights).
+template <bool INT4>
+void small_rows_tile(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
+  const QuantizedWeight& w = job.args->w;
+  const int64_t M = job.m, K = job.k, kvec = job.kvec, kcmax = job.kc;
+  uint16_t* wb = reinterpret_cast<uint16_t*>(scratch(6, size_t(2 * kcmax)));
+  const int64_t ng = job.ngroups;
+  float* acc = scratch(7, size_t(4 * 16 * M + 4 * ng));
+  float* scales = acc + 4 * 16 * M;  // [4][ng] the rows' scales as fp32
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nb = int(std::min<int64_t>(4, n1 - n));
+    int64_t rows[4];
+    for (int r = 0; r < 4; ++r) rows[r] = n + std::min(r, nb - 1);
+    for (int r = 0; r < 4; ++r)
+      for (int64_t g = 0; g < ng; ++g) scales[r * ng + g] = scale_at(w, rows[r], g);
+    for (int64_t k0 = 0; k0 < kvec; k0 += kcmax) {
+      const int64_t kc = std::min(kcmax, kvec - k0);
+      const bool first = k0 == 0, last = k0 + kc >= kvec, pf = n + 4 < n1;
+      const float* sc = scales + (w.group_size > 0 ? k0 / w.group_size : 0);
+      int64_t m0 = 0;
+      for (; m0 + 4 <= M; m0 += 4)
+        tile_block_any<4, INT4>(job, rows, wb, k0, kc, m0, acc + 64 * m0, sc, first, last, pf, nb, res, ldr, n - n0);
+      switch (M - m0) {
+        case 3: tile_block_any<3, INT4>(job, rows, wb, k0, kc, m0, acc + 64 * m0, sc, first, last, pf, nb, res, ldr, n - n0); break;
+        case 2: tile_block_any<2, INT4>(job, rows, wb, k0, kc, m0, acc + 64 * m0, sc, first, last, pf, nb, res, ldr, n - n0); break;
+        case 1: tile_block_any<1, INT4>(job, rows, wb, k0, kc, m0, acc + 64 * m0, sc, first, last, pf, nb, res, ldr, n - n0); break;
+        default: break;
+      }
+    }
+  }
+  if (kvec < K)  // per-channel only; job.x is in plain k order on this path
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* q = static_cast<const uint8_t*>(w.data) + n * w.row_stride;
+      const float s = scale_at(w, n, 0);
+      for (int64_t m = 0; m < M; ++m)
+        res[m * ldr + (n - n0)] += s * tail_dot(q, INT4, job.x + m * job.ldx, kvec, K);
+    }
 }
 
 template <bool INT4>
@@ -591,7 +726,12 @@ void small_task_impl(const SmallJob& job, int64_t n0, int64_t n1) {
   const int64_t cols = n1 - n0;
   float* res = scratch(0, size_t(job.m * cols));
 #if PG_X86
-  if (job.xn != nullptr) {
+  if (job.xt != nullptr) {
+    if (job.args->w.bits == 4)
+      small_rows_tile<true>(job, n0, n1, res, cols);
+    else
+      small_rows_tile<false>(job, n0, n1, res, cols);
+  } else if (job.xn != nullptr) {
     if (job.args->w.bits == 4)
       small_rows_nib<true>(job, n0, n1, res, cols);
     else
@@ -614,16 +754,12 @@ void small_task(void* ctx, int64_t n0, int64_t n1) {
   guarded(job.failed, [&] { small_task_impl(job, n0, n1); });
 }
 
-// small_block_nib applies: bf16 x on AVX512-BF16, groups of whole 64-byte blocks, few rows.
+// small_block_nib, for the fewest rows of x (from more rows on, small_rows_tile).
 bool small_m_nib(const MixedLinearArgs& a) {
 #if PG_X86
-  const int64_t bk = a.w.bits == 4 ? 128 : 64;
-  // Up to these M it beats the FMA / vpermps blocks (A/B, 4096x4096): with more rows of
-  // x their loads (mostly from L2: 8 KB (int4) or 16 KB (int8) of x per row at K = 4096)
-  // bound the block, whose partial sums also halve the register budget.
-  const int64_t max_m = a.w.bits == 4 ? 7 : 3;
-  return has_bf16_x_pairs(a) && a.x.rows <= max_m && a.w.k >= bk &&
-         (a.w.group_size == 0 || a.w.group_size % bk == 0);
+  const bool grouped = a.w.group_size > 0;
+  const int64_t max_m = a.w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
+  return small_m_bf16(a) && a.x.rows <= max_m;
 #else
   (void)a;
   return false;
@@ -689,6 +825,32 @@ void prepare_nib(const MixedLinearArgs& args, SmallJob& job) {
   job.seed = seed;
 }
 
+// job.xt for small_rows_tile from the plain fp32 x (exact copies of the bf16 values): int4
+// in the nibble lane order (per 128 k, vector j word i = x[k + 4i + j]), int8 in k order;
+// and the chunk of K per pass (kTileKc, whole groups).
+void prepare_tile(const MixedLinearArgs& args, SmallJob& job) {
+  const bool int4 = args.w.bits == 4;
+  const int64_t bk = nib_bk(args.w), K = job.k, M = job.m;
+  const int64_t unit = args.w.group_size > 0 ? args.w.group_size : bk;
+  job.kvec = K / bk * bk;
+  job.kc = std::min(job.kvec, std::max<int64_t>(1, kTileKc / unit) * unit);
+  job.ngroups = args.w.group_size > 0 ? K / args.w.group_size : 1;
+  job.ldxt = job.kvec + 32;  // + one cache line: rows of x in different L1 sets
+  uint16_t* xt = reinterpret_cast<uint16_t*>(scratch(1, size_t(M * job.ldxt / 2 + 16)));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = job.x + m * job.ldx;
+    uint16_t* d = xt + m * job.ldxt;
+    if (!int4) {
+      for (int64_t k = 0; k < job.kvec; ++k) d[k] = f32_to_bf16(xm[k]);
+      continue;
+    }
+    for (int64_t b = 0; b < job.kvec; b += 128)
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 32; ++i) d[b + 32 * j + i] = f32_to_bf16(xm[b + 4 * i + j]);
+  }
+  job.xt = xt;
+}
+
 bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   const int64_t M = args.x.rows, N = args.w.n, K = args.w.k;
   SmallJob job;
@@ -713,7 +875,8 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   const int64_t es = int64_t(dtype_size(args.x.dtype));
   const char* xb = static_cast<const char*>(args.x.data);
   const bool nib = job.vector_path && small_m_nib(args) && x_fits_nib(args.x);
-  const bool permute = job.vector_path && args.w.bits == 4 && !nib;
+  const bool tile = job.vector_path && !nib && small_m_bf16(args);
+  const bool permute = job.vector_path && args.w.bits == 4 && !nib && !tile;
   float* tmp = permute ? scratch(4, size_t(K)) : nullptr;
   for (int64_t m = 0; m < M; ++m) {
     float* xm = x + m * job.ldx;
@@ -737,26 +900,7 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
     prepare_nib(args, job);
   } else
 #endif
-  if (job.vector_path && args.w.group_size == 0 && small_m_bf16(args)) {
-    job.ldxb = (K + 31) / 32 * 32;
-    uint16_t* xbuf = reinterpret_cast<uint16_t*>(scratch(1, size_t(M * job.ldxb / 2 + 16)));
-    const uint16_t* src = static_cast<const uint16_t*>(args.x.data);
-    const int64_t cs = args.x.col_stride, kvec = K / 32 * 32;
-    for (int64_t m = 0; m < M; ++m) {
-      const uint16_t* row = src + m * args.x.row_stride;
-      uint16_t* d = xbuf + m * job.ldxb;
-      if (args.w.bits == 4) {
-        for (int64_t b = 0; b < kvec; b += 32)
-          for (int j = 0; j < 16; ++j) {
-            d[b + j] = row[(b + 2 * j) * cs];
-            d[b + 16 + j] = row[(b + 2 * j + 1) * cs];
-          }
-      } else {
-        for (int64_t k = 0; k < kvec; ++k) d[k] = row[k * cs];
-      }
-    }
-    job.xb = xbuf;
-  }
+  if (tile) prepare_tile(args, job);
   const int64_t threads = executor_threads(exec);
   // Threads get contiguous blocks of whole weight rows, at least 16 each, and only
   // when the weight is big enough to amortise waking them.
@@ -1040,7 +1184,8 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
       ok = amx_linear(args, exec);
     } else
 #endif
-    if (M <= (pairs && !small_m_bf16(args) ? kSmallMPairs : kSmallM) || K == 0) {
+    if (M <= (pairs && !(small_m_bf16(args) && args.w.group_size == 0) ? kSmallMPairs : kSmallM) ||
+        K == 0) {
       ok = small_m(args, exec);
     } else {
       DenseProblem p;
