@@ -469,37 +469,30 @@ PG_TARGET_AVX512_BF16 void small_block_nib(const SmallJob& job, const int64_t* r
                            (kvec < K ? tail_dot(q[r], INT4, job.x + (m0 + m) * job.ldx, kvec, K) : 0.f));
 }
 
-// Register budget (32 zmm): NB x MB accumulators + NB (int4: 2 NB) dequantised weight
-// vectors + the x operand. MB = 8 pairs with NB = 2; smaller MB takes NB = 4 so that
-// each x load feeds four FMAs and four independent weight streams are in flight.
-template <int MB, int NB, bool INT4>
+// One pass of a block over the NB weight rows from n and the MB rows of x from m0, into
+// res. A short last block repeats its final row: the extra results are dropped, and it
+// avoids instantiating every kernel for every row count. Register budgets (32 zmm):
+//  * small_block_avx512 (NIB false): NB x MB accumulators + NB (int4: 2 NB) dequantised
+//    weight vectors + the x operand. MB = 8 pairs with NB = 2; smaller MB takes NB = 4 so
+//    that each x load feeds four FMAs and four independent weight streams are in flight.
+//  * small_block_nib (NIB true, which prefetches the next block of rows on its first pass
+//    over x) keeps a partial sum per group next to each accumulator: 2 NB MB registers, +
+//    NB raw weight vectors + NB unpacked ones + x + 3 constants. MB = 1, 2 with NB = 4;
+//    MB = 4 with NB = 2.
+template <int MB, int NB, bool INT4, bool NIB>
 void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, int64_t ldr,
                 int64_t n0) {
-  // A short last block repeats its final row: the extra results are dropped, and it
-  // avoids instantiating every kernel for every row count.
   int64_t rows[NB];
   for (int r = 0; r < NB; ++r) rows[r] = n + std::min(r, nb - 1);
   float out[NB * MB];
-  small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
+  if constexpr (NIB)
+    small_block_nib<MB, NB, INT4>(job, rows, m0, m0 == 0, out);
+  else
+    small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
   for (int r = 0; r < nb; ++r)
     for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
 }
 
-// small_block_nib keeps a partial sum per group next to each accumulator: 2 NB MB
-// registers, + NB raw weight vectors + NB unpacked ones + x + 3 constants. MB = 1, 2 with
-// NB = 4; MB = 4 with NB = 2.
-template <int MB, int NB, bool INT4>
-void small_pass_nib(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, int64_t ldr,
-                    int64_t n0) {
-  int64_t rows[NB];
-  for (int r = 0; r < NB; ++r) rows[r] = n + std::min(r, nb - 1);
-  float out[NB * MB];
-  small_block_nib<MB, NB, INT4>(job, rows, m0, m0 == 0, out);
-  for (int r = 0; r < nb; ++r)
-    for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
-}
-
-// Up to 7 rows of x (int4) or 2 (int8), see small_m_nib: chunks of 4, 2, 1 rows.
 template <bool INT4>
 void small_rows_nib(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
   for (int64_t n = n0; n < n1; n += 4) {
@@ -508,11 +501,12 @@ void small_rows_nib(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
     if constexpr (INT4)
       if (job.m & 4) {
         for (int64_t h = 0; h < nb4; h += 2)
-          small_pass_nib<4, 2, INT4>(job, n + h, int(std::min<int64_t>(2, nb4 - h)), m0, res, ldr, n0);
+          small_pass<4, 2, INT4, true>(job, n + h, int(std::min<int64_t>(2, nb4 - h)), m0, res,
+                                       ldr, n0);
         m0 += 4;
       }
-    if (job.m & 2) { small_pass_nib<2, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
-    if (job.m & 1) { small_pass_nib<1, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
+    if (job.m & 2) { small_pass<2, 4, INT4, true>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
+    if (job.m & 1) { small_pass<1, 4, INT4, true>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
   }
 }
 
@@ -713,11 +707,12 @@ void small_rows_avx512(const SmallJob& job, int64_t n0, int64_t n1, float* res, 
     const int nb4 = int(std::min<int64_t>(4, n1 - n));
     for (int64_t m0 = 0; m0 < m8; m0 += 8)
       for (int64_t h = 0; h < nb4; h += 2)
-        small_pass<8, 2, INT4>(job, n + h, int(std::min<int64_t>(2, nb4 - h)), m0, res, ldr, n0);
+        small_pass<8, 2, INT4, false>(job, n + h, int(std::min<int64_t>(2, nb4 - h)), m0, res,
+                                      ldr, n0);
     int64_t m0 = m8;
-    if (rest & 4) { small_pass<4, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 4; }
-    if (rest & 2) { small_pass<2, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
-    if (rest & 1) { small_pass<1, 4, INT4>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
+    if (rest & 4) { small_pass<4, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); m0 += 4; }
+    if (rest & 2) { small_pass<2, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
+    if (rest & 1) { small_pass<1, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
   }
 }
 #endif
