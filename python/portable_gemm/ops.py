@@ -36,10 +36,20 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 def _needs_autograd(*tensors) -> bool:
     """True when the call must go through the autograd key: a tensor that needs a
-    gradient, or a torch.compile trace."""
-    if torch.compiler.is_compiling():
+    gradient, or a torch.compile trace. (A plain loop: this runs on every call, and a
+    generator expression here cost ~0.5 us of a decode-size call's host time.)"""
+    if _is_compiling():
         return True
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not _grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 
 
 def _activation_code(activation: str) -> int:

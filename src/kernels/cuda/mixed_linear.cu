@@ -403,24 +403,35 @@ struct TcvParams {
   // Set by the host from the above: the stride between a lane's weight rows (8 rows) in
   // bytes and in scale elements, and how far the group index moves between two chunks a
   // warp loads (KW chunks apart): gstep whole groups plus grstep elements of k.
-  int64_t q_rs8, s_rs8, gstep, grstep;
+  // s_rs8 is in bytes; gs, gstep and grstep fit 32 bits (checked by the host).
+  int64_t q_rs8, s_rs8;
+  int gs32, gstep, grstep;
+  int s_shift;  // log2 of the scale element size
 };
 
+// Loads predicated on `pred` without a branch (a branch per load cost ~10 instructions of
+// the small-M loop: BSSY/BRA/BSYNC, the zero fill, the bound tests; bench/GPU_NOTES.md,
+// run 31). Where pred is false the destination is left undefined: the callers only
+// switch loads off for weight rows >= N and scales of per-channel weights, whose
+// products land in accumulators that are never stored (rows of the MMA do not mix).
+//
 // Streaming 16-byte weight load: read once, keep it out of L1 (x lives there).
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
+__device__ __forceinline__ void ldg_stream_if(uint4& r, const void* p, bool pred) {
+  asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
+      " @q ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n}\n"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
 }
-
 // A scale's raw bits (f32, or f16/bf16 zero-extended), converted only where it is used: a
 // conversion next to the load would make the warp wait for it one chunk early (the scales
-// are read once, from DRAM, so that wait is a full memory latency per chunk).
-__device__ __forceinline__ uint32_t ldg_scale_bits(const void* base, int dt, int64_t i) {
-  if (dt == static_cast<int>(DType::f32)) return __ldg(static_cast<const unsigned int*>(base) + i);
-  return __ldg(static_cast<const unsigned short*>(base) + i);
+// are read once, from DRAM, so that wait is a full memory latency per chunk). `shift` is
+// log2 of the element size; one of the two loads runs.
+__device__ __forceinline__ void ldg_scale_if(uint32_t& r, const char* a, int shift, bool pred) {
+  asm("{\n .reg .pred q, w;\n setp.ne.b32 q, %2, 0;\n setp.eq.and.b32 w, %3, 2, q;\n"
+      " setp.eq.and.b32 q, %3, 1, q;\n @w ld.global.nc.u32 %0, [%1];\n"
+      " @q ld.global.nc.u16 %0, [%1];\n}\n"
+      : "=r"(r)
+      : "l"(a), "r"(static_cast<int>(pred)), "r"(shift));
 }
 __device__ __forceinline__ float scale_from_bits(uint32_t b, int dt) {
   if (dt == static_cast<int>(DType::f16))
@@ -516,11 +527,13 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   unsigned rows_ok = 0;
 #pragma unroll
   for (int j = 0; j < 2 * RT; ++j) rows_ok |= (n0 + g + 8 * j < p.N ? 1u : 0u) << j;
-  int64_t sidx = 0, grem = 0;  // (n0 + g) * s_rs + group of k; k - group * gs
+  // Scales: the row's first byte, then 32-bit counters (a row has < 2^31 groups).
+  const char* sbase = static_cast<const char*>(p.scales) + (((n0 + g) * p.s_rs) << p.s_shift);
+  int gidx = 0, grem = 0;  // group of k; k - group * gs
   if (p.mode != 0) {
     const int64_t k0 = static_cast<int64_t>(warp) * CHUNK + tig * LK, g0 = k0 / p.gs;
-    sidx = (n0 + g) * p.s_rs + g0;
-    grem = k0 - g0 * p.gs;
+    gidx = static_cast<int>(g0);
+    grem = static_cast<int>(k0 - g0 * p.gs);
   }
 
   float acc[RT][MT][4];
@@ -561,19 +574,27 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * rt + h;
-        st.w[rt][h] = make_uint4(0u, 0u, 0u, 0u);
-        st.s[rt][h] = 0u;
-        if (rows_ok & (1u << j)) {
-          st.w[rt][h] = ldg_stream(pc + j * p.q_rs8);
-          if (p.mode != 0) st.s[rt][h] = ldg_scale_bits(p.scales, p.s_dt, sidx + j * p.s_rs8);
+        const bool ok = rows_ok & (1u << j);
+        const char* sp = sbase + j * p.s_rs8 + (gidx << p.s_shift);
+        if constexpr (MT == 1) {
+          ldg_stream_if(st.w[rt][h], pc + j * p.q_rs8, ok);
+          ldg_scale_if(st.s[rt][h], sp, p.s_shift, ok && p.mode != 0);
+        } else {
+          // The branch form: at MT = 2 the predicated one was 4% slower (run 31).
+          st.w[rt][h] = make_uint4(0u, 0u, 0u, 0u);
+          st.s[rt][h] = 0u;
+          if (ok) {
+            ldg_stream_if(st.w[rt][h], pc + j * p.q_rs8, true);
+            if (p.mode != 0) ldg_scale_if(st.s[rt][h], sp, p.s_shift, true);
+          }
         }
       }
     if (p.mode != 0) {
-      sidx += p.gstep;
+      gidx += p.gstep;
       grem += p.grstep;
-      if (grem >= p.gs) {
-        grem -= p.gs;
-        ++sidx;
+      if (grem >= p.gs32) {
+        grem -= p.gs32;
+        ++gidx;
       }
     }
     if constexpr (XPF) load_x(c, st.x);
@@ -604,39 +625,50 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         }
       }
     // OFFSET: the chunk's OFF . x, the same for every weight row (A = OFF everywhere).
+    // At M <= 8 (MT = 1) it is accumulated in the k loop below, next to the weight tiles'
+    // MMAs, as a third chain to interleave with theirs (4-7% faster, run 31); at MT = 2 that
+    // needs more registers than the kernel has, so there it is computed first.
+    constexpr bool CORR_IN_LOOP = OFFSET && MT == 1;
     float corr[MT][4];
-    if constexpr (OFFSET) {
-      const uint32_t off[4] = {dq4_offset_pair<T>(), dq4_offset_pair<T>(), dq4_offset_pair<T>(),
-                               dq4_offset_pair<T>()};
+    const uint32_t off[4] = {dq4_offset_pair<T>(), dq4_offset_pair<T>(), dq4_offset_pair<T>(),
+                             dq4_offset_pair<T>()};
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) corr[mt][r] = 0.f;
+      for (int r = 0; r < 4; ++r) corr[mt][r] = 0.f;
+      if constexpr (OFFSET && !CORR_IN_LOOP)
 #pragma unroll
         for (int i = 0; i < NB; ++i) mma_16816<T>(corr[mt], off, bx[i][mt]);
-      }
     }
+    // Scales converted here, a chunk after their loads were issued (see ldg_scale_if).
+    float sf[RT][2];
+    uint32_t sfold[RT][2];
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt) {
-      float part[MT][4];
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sf[rt][h] = p.mode == 0 ? 1.f : scale_from_bits(st.s[rt][h], p.s_dt);
+        sfold[rt][h] = fold ? pack2<T>(sf[rt][h], sf[rt][h]) : 0u;
+      }
+    // k outer, weight tiles inner: the RT accumulation chains of dependent MMAs interleave.
+    float part[RT][MT][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) part[mt][r] = 0.f;
-      // Scales converted here, a chunk after their loads were issued (see ldg_scale_bits).
-      const float sf0 = p.mode == 0 ? 1.f : scale_from_bits(st.s[rt][0], p.s_dt);
-      const float sf1 = p.mode == 0 ? 1.f : scale_from_bits(st.s[rt][1], p.s_dt);
-      uint32_t s0 = 0u, s1 = 0u;
-      if (fold) {
-        s0 = pack2<T>(sf0, sf0);
-        s1 = pack2<T>(sf1, sf1);
-      }
+        for (int r = 0; r < 4; ++r) part[rt][mt][r] = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t w0 = word_of(st.w[rt][0], j), w1 = word_of(st.w[rt][1], j);
-        if constexpr (BITS == 4) {
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (BITS == 4) {
 #pragma unroll
-          for (int t = 0; t < 2; ++t) {
+        for (int t = 0; t < 2; ++t) {
+          if constexpr (CORR_IN_LOOP)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma_16816<T>(corr[mt], off, bx[2 * j + t][mt]);
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            const uint32_t w0 = word_of(st.w[rt][0], j), w1 = word_of(st.w[rt][1], j);
             uint32_t a[4];
             if constexpr (OFFSET) {
               a[0] = dq4_offset<T>(w0, 2 * t);
@@ -649,43 +681,50 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
               a[2] = dq4<T>(w0, 2 * t + 1);
               a[3] = dq4<T>(w1, 2 * t + 1);
               if (fold) {
-                a[0] = mul2<T>(a[0], s0);
-                a[2] = mul2<T>(a[2], s0);
-                a[1] = mul2<T>(a[1], s1);
-                a[3] = mul2<T>(a[3], s1);
+                a[0] = mul2<T>(a[0], sfold[rt][0]);
+                a[2] = mul2<T>(a[2], sfold[rt][0]);
+                a[1] = mul2<T>(a[1], sfold[rt][1]);
+                a[3] = mul2<T>(a[3], sfold[rt][1]);
               }
             }
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) mma_16816<T>(part[mt], a, bx[2 * j + t][mt]);
+            for (int mt = 0; mt < MT; ++mt) mma_16816<T>(part[rt][mt], a, bx[2 * j + t][mt]);
           }
-        } else {
+        }
+      } else {
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          const uint32_t w0 = word_of(st.w[rt][0], j), w1 = word_of(st.w[rt][1], j);
           uint32_t a[4];
           a[0] = dq8<T>(w0, 0);
           a[1] = dq8<T>(w1, 0);
           a[2] = dq8<T>(w0, 1);
           a[3] = dq8<T>(w1, 1);
           if (fold) {
-            a[0] = mul2<T>(a[0], s0);
-            a[2] = mul2<T>(a[2], s0);
-            a[1] = mul2<T>(a[1], s1);
-            a[3] = mul2<T>(a[3], s1);
+            a[0] = mul2<T>(a[0], sfold[rt][0]);
+            a[2] = mul2<T>(a[2], sfold[rt][0]);
+            a[1] = mul2<T>(a[1], sfold[rt][1]);
+            a[3] = mul2<T>(a[3], sfold[rt][1]);
           }
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) mma_16816<T>(part[mt], a, bx[j][mt]);
+          for (int mt = 0; mt < MT; ++mt) mma_16816<T>(part[rt][mt], a, bx[j][mt]);
         }
       }
+    }
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
       if constexpr (OFFSET)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) part[mt][r] -= corr[mt][r];
-      const float f0 = p.mode == 1 ? sf0 : 1.f, f1 = p.mode == 1 ? sf1 : 1.f;
+          for (int r = 0; r < 4; ++r) part[rt][mt][r] -= corr[mt][r];
+      const float f0 = p.mode == 1 ? sf[rt][0] : 1.f, f1 = p.mode == 1 ? sf[rt][1] : 1.f;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        acc[rt][mt][0] = fmaf(f0, part[mt][0], acc[rt][mt][0]);
-        acc[rt][mt][1] = fmaf(f0, part[mt][1], acc[rt][mt][1]);
-        acc[rt][mt][2] = fmaf(f1, part[mt][2], acc[rt][mt][2]);
-        acc[rt][mt][3] = fmaf(f1, part[mt][3], acc[rt][mt][3]);
+        acc[rt][mt][0] = fmaf(f0, part[rt][mt][0], acc[rt][mt][0]);
+        acc[rt][mt][1] = fmaf(f0, part[rt][mt][1], acc[rt][mt][1]);
+        acc[rt][mt][2] = fmaf(f1, part[rt][mt][2], acc[rt][mt][2]);
+        acc[rt][mt][3] = fmaf(f1, part[rt][mt][3], acc[rt][mt][3]);
       }
     }
   };
@@ -768,6 +807,9 @@ bool gemv_tc_ok(const MixedLinearArgs& a) {
   if (x.dtype != DType::f16 && x.dtype != DType::bf16) return false;
   if (x.cols % Cfg::CHUNK != 0) return false;
   if (a.w.group_size != 0 && a.w.group_size % Cfg::LK != 0) return false;
+  // 32-bit group counters and byte offsets within a scale row.
+  if (a.w.group_size > (int64_t(1) << 30) || (a.w.group_size && x.cols / a.w.group_size > (1 << 28)))
+    return false;
   if (!aligned_to(a.w.data, 16) || a.w.row_stride % 16 != 0) return false;
   if (x.cols > 0 && (x.col_stride != 1 || !aligned_to(x.data, 16))) return false;
   if (x.rows > 1 && x.row_stride % 8 != 0) return false;
@@ -785,13 +827,15 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.scales = a.w.scales;
   p.s_rs = a.w.scales_row_stride;
   p.s_dt = static_cast<int>(a.w.scales_dtype);
+  p.s_shift = a.w.scales_dtype == DType::f32 ? 2 : 1;
   p.gs = a.w.group_size;
   p.mode = p.gs == 0 ? 0 : (p.gs % Cfg::CHUNK == 0 ? 1 : 2);
   if (p.gs == 0) p.gs = 1;  // unused; keeps the division defined
   p.q_rs8 = 8 * p.q_rs;
-  p.s_rs8 = 8 * p.s_rs;
-  p.gstep = (tcv::KW * Cfg::CHUNK) / p.gs;
-  p.grstep = tcv::KW * Cfg::CHUNK - p.gstep * p.gs;
+  p.s_rs8 = (8 * p.s_rs) << p.s_shift;
+  p.gs32 = static_cast<int>(p.gs);
+  p.gstep = static_cast<int>((tcv::KW * Cfg::CHUNK) / p.gs);
+  p.grstep = static_cast<int>(tcv::KW * Cfg::CHUNK - p.gstep * p.gs);
   p.bias = a.bias;
   p.bias_stride = a.bias_stride;
   p.y = a.y.data;
