@@ -30,6 +30,10 @@ ALIGNED = [(64, 64, 64), (128, 256, 512), (256, 512, 128)]
 ODD = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (3, 4097, 129), (1, 4096, 3)]
 M_SWEEP = [(m, 96, 80) for m in range(1, 34)]
 LARGE_K = [(16, 8192, 64)]
+# Past every cache block of the CPU driver: more rows than one row block (2040 bf16 / 480
+# fp32) with a remainder that is not a multiple of the micro-kernel's 12 rows, K over two
+# kc blocks and odd, N over one column block (1024 bf16 / 512 fp32) per task.
+BLOCK_EDGES = [(2053, 1601, 2100)]
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import (ACTIVATIONS, ALIGNED, DEVICES, DTYPES, LARGE_K, M_SWEEP, ODD, assert_close,
-                      gemm_ref, rand, strided_variants)
+from conftest import (ACTIVATIONS, ALIGNED, BLOCK_EDGES, DEVICES, DTYPES, LARGE_K, M_SWEEP, ODD,
+                      assert_close, gemm_ref, rand, strided_variants)
 
 import portable_gemm as pg
 
@@ -20,6 +20,15 @@ def test_shapes(device, dtype, mkn):
     m, k, n = mkn
     a, b = rand((m, k), dtype, device), rand((k, n), dtype, device)
     assert_close(pg.gemm(a, b), gemm_ref(a, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mkn", BLOCK_EDGES, ids=str)
+def test_cpu_cache_block_edges(dtype, mkn):
+    m, k, n = mkn
+    a, b = rand((m, k), dtype, "cpu"), rand((k, n), dtype, "cpu")
+    bias = rand((n,), dtype, "cpu")
+    assert_close(pg.gemm(a, b, bias=bias), gemm_ref(a, b, bias), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

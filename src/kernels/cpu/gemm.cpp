@@ -564,8 +564,13 @@ const KernelSet* bf16_kernel_set() {
     s.mr = kAvx512MR;
     s.nr = kAvx512NR;
     s.kc = 768;  // in k: 384 pairs, the same bytes per sliver as the fp32 kernel
-    s.nc = 512;
-    s.mch = 480;
+    // B blocks of 384 pairs x 1024 columns (1.5 MB: slivers stream from L2/L3 at ~5 bytes
+    // a cycle) and row blocks of 2040: B is packed once per 2040 rows instead of once per
+    // 480, A once per 1024 columns instead of 512. Packing fell from ~11% to ~5% of a
+    // 2048^3 GEMM (bench/CPU_NOTES.md, 11). Scratch per task: A block 384 x 2040 units
+    // (3 MB), fp32 partial sums 2040 x 1024 (8 MB) when K spans several kc blocks.
+    s.nc = 1024;
+    s.mch = 2040;
     s.bf16_pairs = true;
     s.kern[1] = kern_avx512_bf16<1>; s.kern[2] = kern_avx512_bf16<2>;
     s.kern[3] = kern_avx512_bf16<3>; s.kern[4] = kern_avx512_bf16<4>;

@@ -401,9 +401,9 @@ struct TcvParams {
   int64_t N, K;
   int M, act;
   // Set by the host from the above: the stride between a lane's weight rows (8 rows) in
-  // bytes and in scale elements, and how far the group index moves between two chunks a
-  // warp loads (KW chunks apart): gstep whole groups plus grstep elements of k.
-  // s_rs8 is in bytes; gs, gstep and grstep fit 32 bits (checked by the host).
+  // bytes of weight and in bytes of scales, and how far the group index moves between two
+  // chunks a warp loads (KW chunks apart): gstep whole groups plus grstep elements of k.
+  // gs32, gstep and grstep fit 32 bits (gemv_tc_ok bounds the group size and count).
   int64_t q_rs8, s_rs8;
   int gs32, gstep, grstep;
   int s_shift;  // log2 of the scale element size
@@ -425,10 +425,10 @@ __device__ __forceinline__ void ldg_stream_if(uint4& r, const void* p, bool pred
 // A scale's raw bits (f32, or f16/bf16 zero-extended), converted only where it is used: a
 // conversion next to the load would make the warp wait for it one chunk early (the scales
 // are read once, from DRAM, so that wait is a full memory latency per chunk). `shift` is
-// log2 of the element size; one of the two loads runs.
+// log2 of the element size: 2 loads 32 bits, anything else 16; one of the two loads runs.
 __device__ __forceinline__ void ldg_scale_if(uint32_t& r, const char* a, int shift, bool pred) {
   asm("{\n .reg .pred q, w;\n setp.ne.b32 q, %2, 0;\n setp.eq.and.b32 w, %3, 2, q;\n"
-      " setp.eq.and.b32 q, %3, 1, q;\n @w ld.global.nc.u32 %0, [%1];\n"
+      " setp.ne.and.b32 q, %3, 2, q;\n @w ld.global.nc.u32 %0, [%1];\n"
       " @q ld.global.nc.u16 %0, [%1];\n}\n"
       : "=r"(r)
       : "l"(a), "r"(static_cast<int>(pred)), "r"(shift));
@@ -521,13 +521,14 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   const T* xg = static_cast<const T*>(p.x);
 
   // The lane's weight rows are n0 + g + 8 j (j = 2 rt + h): one base address (strides from
-  // the parameters), their bounds as a bit mask, and the scale index of the next chunk to
+  // the parameters), their bounds as a bit mask, and the scale group of the next chunk to
   // load, advanced without a division. Few registers: the kernel is at its cap of 128.
   const uint8_t* wbase = p.q + (n0 + g) * p.q_rs + tig * (LK * BITS / 8);
   unsigned rows_ok = 0;
 #pragma unroll
   for (int j = 0; j < 2 * RT; ++j) rows_ok |= (n0 + g + 8 * j < p.N ? 1u : 0u) << j;
-  // Scales: the row's first byte, then 32-bit counters (a row has < 2^31 groups).
+  // Scales: the row's first byte, then 32-bit counters (gemv_tc_ok: < 2^28 groups a row,
+  // so gidx << s_shift stays below 2^31).
   const char* sbase = static_cast<const char*>(p.scales) + (((n0 + g) * p.s_rs) << p.s_shift);
   int gidx = 0, grem = 0;  // group of k; k - group * gs
   if (p.mode != 0) {
@@ -799,7 +800,8 @@ Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
 
 // The tensor-core GEMV's preconditions (else the SIMT GEMV): f16/bf16 x with unit column
 // stride and 16-byte aligned rows, 16-byte aligned weight rows, K a multiple of the chunk,
-// group size a multiple of the 16-byte piece.
+// group size a multiple of the 16-byte piece, at most 2^30 and at most 2^28 groups a row
+// (the kernel's 32-bit group counters).
 template <int BITS>
 bool gemv_tc_ok(const MixedLinearArgs& a) {
   using Cfg = TcvCfg<BITS>;
