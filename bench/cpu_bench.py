@@ -275,7 +275,7 @@ print("PROBE" + json.dumps(res))
 """
 
 
-def compare_targets(other: str, threads: int, rounds: int = 3) -> dict:
+def compare_targets(other: str, threads: int, rounds: int = 7) -> dict:
     """Time a few cases under `other` and under the default target, each in its own
     interpreter (the target is chosen at import), alternating for `rounds` rounds in this
     run; the ratio per case is the median over rounds of other / default (a noisy
