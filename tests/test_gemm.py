@@ -15,20 +15,11 @@ def test_sentinel_is_active():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("mkn", ALIGNED + ODD + LARGE_K, ids=str)
+@pytest.mark.parametrize("mkn", ALIGNED + ODD + LARGE_K + BLOCK_EDGES, ids=str)
 def test_shapes(device, dtype, mkn):
     m, k, n = mkn
     a, b = rand((m, k), dtype, device), rand((k, n), dtype, device)
     assert_close(pg.gemm(a, b), gemm_ref(a, b), dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("mkn", BLOCK_EDGES, ids=str)
-def test_cpu_cache_block_edges(dtype, mkn):
-    m, k, n = mkn
-    a, b = rand((m, k), dtype, "cpu"), rand((k, n), dtype, "cpu")
-    bias = rand((n,), dtype, "cpu")
-    assert_close(pg.gemm(a, b, bias=bias), gemm_ref(a, b, bias), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
