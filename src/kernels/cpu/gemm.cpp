@@ -563,12 +563,15 @@ const KernelSet* bf16_kernel_set() {
     static KernelSet s{};
     s.mr = kAvx512MR;
     s.nr = kAvx512NR;
-    s.kc = 768;  // in k: 384 pairs, the same bytes per sliver as the fp32 kernel
-    // B blocks of 384 pairs x 1024 columns (1.5 MB: slivers stream from L2/L3 at ~5 bytes
+    // kc 1024 (512 pairs; an A sliver is 24 KB and stays in L1): K = 1024 is one block
+    // instead of two of 512, so no fp32 partial sums and A packed once; 0.78-0.86x ->
+    // 0.93-1.00x torch at 1024^3, and no loss at 2048 and 4096 (bench/CPU_NOTES.md, 13).
+    s.kc = 1024;
+    // B blocks of 512 pairs x 1024 columns (2 MB: slivers stream from L2/L3 at ~5 bytes
     // a cycle) and row blocks of 2040: B is packed once per 2040 rows instead of once per
     // 480, A once per 1024 columns instead of 512. Packing fell from ~11% to ~5% of a
-    // 2048^3 GEMM (bench/CPU_NOTES.md, 11). Scratch per task: A block 384 x 2040 units
-    // (3 MB), fp32 partial sums 2040 x 1024 (8 MB) when K spans several kc blocks.
+    // 2048^3 GEMM (bench/CPU_NOTES.md, 11). Scratch per task: A block 512 x 2040 units
+    // (4 MB), fp32 partial sums 2040 x 1024 (8 MB) when K spans several kc blocks.
     s.nc = 1024;
     s.mch = 2040;
     s.bf16_pairs = true;
