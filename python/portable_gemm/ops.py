@@ -55,7 +55,7 @@ _grad_enabled = torch.is_grad_enabled
 def _direct(name: str):
     """The C++ callable behind the op's default overload, resolved once: calls that skip the
     autograd key then skip the overload packet's and the overload's Python frames too
-    (~2 us of a decode-size call's ~8 us host time here, bench/GPU_NOTES.md, run 34)."""
+    (~1.3 of ~7.8 us of host time for a tiny CPU call, bench/GPU_NOTES.md, run 34)."""
     overload = getattr(_ops(), name).default
     return getattr(overload, "_op", overload)
 
