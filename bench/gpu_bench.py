@@ -385,6 +385,9 @@ def plot(rows: list[dict], ceil: dict, path: Path) -> None:
         ax.plot([r["M"] for r in rs], [k * n * 2 / (r["linear_bf16_us"] * 1e-6) / 1e12 for r in rs],
                 "k--", label="bf16 F.linear (cuBLAS)")
         ax.axhline(ceil["copy_TBps"], color="r", lw=1, label="measured copy bandwidth")
+        rc = [r.get("read_ceiling_TBps") for r in rows if (r["K"], r["N"], r["bits"], r["group"]) == (k, n, 4, 128)]
+        if rc and rc[0]:
+            ax.axhline(rc[0], color="r", lw=1, ls=":", label="pure read of the int4 g128 bytes")
         ax.set_xscale("log", base=2)
         ax.set_title(f"K={k}, N={n}")
         ax.set_xlabel("M")
@@ -400,11 +403,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes (fits a short device call)")
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--skip-weight-only", action="store_true")
-    ap.add_argument("--render", metavar="JSON", help="rewrite gpu_bench.md next to JSON from its measurements")
+    ap.add_argument("--render", metavar="JSON", help="rewrite the .md and .png next to JSON from its measurements")
     args = ap.parse_args()
     if args.render:
         path = Path(args.render)
-        path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
+        result = json.loads(path.read_text())
+        path.with_suffix(".md").write_text(markdown(result))
+        if result["weight_only"]:
+            plot(result["weight_only"], result["ceilings"], path.with_suffix(".png"))
         return 0
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device", file=sys.stderr)
