@@ -40,8 +40,9 @@ namespace {
 
 // Above these M the dense path wins (measured A/B on the dev machine): from 17 rows when x
 // is bf16 and the vdpbf16ps GEMM runs it, unless the small path uses vdpbf16ps as well
-// and per-channel scales (small_rows_tile); from 33 rows otherwise. (Group scales with
-// small_rows_tile above 16 rows: not measured.)
+// (small_rows_tile, per-channel or group scales); from 33 rows otherwise. With group
+// scales, small_rows_tile at M = 17..32 took 9-16 ms against 16-28 ms on the dense path
+// (4096 x 12288 int4 and int8 g128, bench/CPU_NOTES.md, 15).
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kSmallMPairs = 16;
 
@@ -1179,7 +1180,7 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
       ok = amx_linear(args, exec);
     } else
 #endif
-    if (M <= (pairs && !(small_m_bf16(args) && args.w.group_size == 0) ? kSmallMPairs : kSmallM) ||
+    if (M <= (pairs && !small_m_bf16(args) ? kSmallMPairs : kSmallM) ||
         K == 0) {
       ok = small_m(args, exec);
     } else {
