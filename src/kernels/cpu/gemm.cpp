@@ -564,7 +564,7 @@ const KernelSet* bf16_kernel_set() {
     s.mr = kAvx512MR;
     s.nr = kAvx512NR;
     // kc 1024 (512 pairs; an A sliver is 24 KB and stays in L1): K = 1024 is one block
-    // instead of two of 512, so no fp32 partial sums and A packed once; 0.78-0.86x ->
+    // instead of two of 512, so no fp32 partial sums and A packed once; 0.78-0.95x ->
     // 0.93-1.00x torch at 1024^3, and no loss at 2048 and 4096 (bench/CPU_NOTES.md, 13).
     s.kc = 1024;
     // B blocks of 512 pairs x 1024 columns (2 MB: slivers stream from L2/L3 at ~5 bytes
