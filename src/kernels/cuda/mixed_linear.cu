@@ -409,35 +409,43 @@ struct TcvParams {
   int s_shift;  // log2 of the scale element size
 };
 
-// Loads predicated on `pred` without a branch (a branch per load cost ~10 instructions of
-// the small-M loop: BSSY/BRA/BSYNC, the zero fill, the bound tests; bench/GPU_NOTES.md,
-// run 31). Where pred is false the destination is left undefined: the callers only
-// switch loads off for weight rows >= N and scales of per-channel weights, whose
-// products land in accumulators that are never stored (rows of the MMA do not mix).
-//
-// Streaming 16-byte weight load: read once, keep it out of L1 (x lives there).
-__device__ __forceinline__ void ldg_stream_if(uint4& r, const void* p, bool pred) {
-  asm("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
-      " @q ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n}\n"
+// Streaming 16-byte weight load: read once, keep it out of L1 (x lives there). No bound
+// test: the kernel only runs over whole blocks of rows (launch_gemv_tc sends the last
+// N % ROWS rows to the SIMT GEMV).
+__device__ __forceinline__ void ldg_stream(uint4& r, const void* p) {
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "r"(static_cast<int>(pred)));
+      : "l"(p));
 }
-// A scale's raw bits (f32, or f16/bf16 zero-extended), converted only where it is used: a
-// conversion next to the load would make the warp wait for it one chunk early (the scales
-// are read once, from DRAM, so that wait is a full memory latency per chunk). `shift` is
-// log2 of the element size: 2 loads 32 bits, anything else 16; one of the two loads runs.
-__device__ __forceinline__ void ldg_scale_if(uint32_t& r, const char* a, int shift, bool pred) {
-  asm("{\n .reg .pred q, w;\n setp.ne.b32 q, %2, 0;\n setp.eq.and.b32 w, %3, 2, q;\n"
-      " setp.ne.and.b32 q, %3, 2, q;\n @w ld.global.nc.u32 %0, [%1];\n"
-      " @q ld.global.nc.u16 %0, [%1];\n}\n"
-      : "=r"(r)
-      : "l"(a), "r"(static_cast<int>(pred)), "r"(shift));
+// Loads predicated on `pred` without a branch (a branch per load cost ~10 instructions of
+// the small-M loop: BSSY/BRA/BSYNC, the zero fill; bench/GPU_NOTES.md, run 31). Where pred
+// is false the destination is left undefined: the callers only switch the scale loads of
+// per-channel weights off, and never read those registers.
+// A scale's raw bits (S = float, __half or __nv_bfloat16; 16-bit ones zero-extended),
+// converted only where it is used: a conversion next to the load would make the warp wait
+// for it one chunk early (the scales are read once, from DRAM, so that wait is a full memory
+// latency per chunk). S is a template parameter of the kernel: with the type read at run
+// time, every scale cost two predicated loads and a branch per conversion (~90 of the int4
+// loop's 338 instructions went to that and the row bounds; bench/GPU_NOTES.md, run 35).
+template <typename S>
+__device__ __forceinline__ void ldg_scale_if(uint32_t& r, const char* a, bool pred) {
+  if constexpr (sizeof(S) == 4)
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u32 %0, [%1];\n}\n"
+        : "=r"(r)
+        : "l"(a), "r"(static_cast<int>(pred)));
+  else
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u16 %0, [%1];\n}\n"
+        : "=r"(r)
+        : "l"(a), "r"(static_cast<int>(pred)));
 }
-__device__ __forceinline__ float scale_from_bits(uint32_t b, int dt) {
-  if (dt == static_cast<int>(DType::f16))
+template <typename S>
+__device__ __forceinline__ float scale_from_bits(uint32_t b) {
+  if constexpr (std::is_same<S, __half>::value)
     return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
-  if (dt == static_cast<int>(DType::bf16)) return __uint_as_float(b << 16);
-  return __uint_as_float(b);
+  else if constexpr (std::is_same<S, __nv_bfloat16>::value)
+    return __uint_as_float(b << 16);
+  else
+    return __uint_as_float(b);
 }
 
 template <typename T>
@@ -508,7 +516,9 @@ __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
   }
 }
 
-template <typename T, int BITS, int MT, bool OFFSET>
+// Preconditions (gemv_tc_ok, launch_gemv_tc): p.N % ROWS == 0, K % CHUNK == 0, S the
+// scales' element type.
+template <typename T, typename S, int BITS, int MT, bool OFFSET>
 __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   using Cfg = TcvCfg<BITS>;
   constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU;
@@ -520,16 +530,14 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   const int64_t nchunks = p.K / CHUNK;
   const T* xg = static_cast<const T*>(p.x);
 
-  // The lane's weight rows are n0 + g + 8 j (j = 2 rt + h): one base address (strides from
-  // the parameters), their bounds as a bit mask, and the scale group of the next chunk to
-  // load, advanced without a division. Few registers: the kernel is at its cap of 128.
+  // The lane's weight rows are n0 + g + 8 j (j = 2 rt + h), all < N (whole blocks only):
+  // one base address (strides from the parameters) and the scale group of the next chunk
+  // to load, advanced without a division. Few registers: the kernel is at its cap of 128.
   const uint8_t* wbase = p.q + (n0 + g) * p.q_rs + tig * (LK * BITS / 8);
-  unsigned rows_ok = 0;
-#pragma unroll
-  for (int j = 0; j < 2 * RT; ++j) rows_ok |= (n0 + g + 8 * j < p.N ? 1u : 0u) << j;
   // Scales: the row's first byte, then 32-bit counters (gemv_tc_ok: < 2^28 groups a row,
   // so gidx << s_shift stays below 2^31).
-  const char* sbase = static_cast<const char*>(p.scales) + (((n0 + g) * p.s_rs) << p.s_shift);
+  constexpr int SSHIFT = sizeof(S) == 4 ? 2 : 1;
+  const char* sbase = static_cast<const char*>(p.scales) + (((n0 + g) * p.s_rs) << SSHIFT);
   int gidx = 0, grem = 0;  // group of k; k - group * gs
   if (p.mode != 0) {
     const int64_t k0 = static_cast<int64_t>(warp) * CHUNK + tig * LK, g0 = k0 / p.gs;
@@ -553,18 +561,16 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     uint32_t s[RT][2];  // raw scale bits (mode 1, 2)
     uint4 x[MT][XU];
   };
+  // x rows past M read row M - 1 instead (no bound test or zero fill in the loop): they
+  // only feed MMA columns m >= M, which are never stored (columns of the MMA do not mix).
   auto load_x = [&](int64_t c, uint4 (&xd)[MT][XU]) {
     const int64_t k = c * CHUNK + tig * LK;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const int m = mt * 8 + g;
+      const int m = min(mt * 8 + g, p.M - 1);
+      const uint4* src = reinterpret_cast<const uint4*>(xg + m * p.x_rs + k);
 #pragma unroll
-      for (int u = 0; u < XU; ++u) xd[mt][u] = make_uint4(0u, 0u, 0u, 0u);
-      if (m < p.M) {
-        const uint4* src = reinterpret_cast<const uint4*>(xg + m * p.x_rs + k);
-#pragma unroll
-        for (int u = 0; u < XU; ++u) xd[mt][u] = __ldg(src + u);
-      }
+      for (int u = 0; u < XU; ++u) xd[mt][u] = __ldg(src + u);
     }
   };
   // Loads chunk c into st; called for c = warp, warp + KW, ... in this order.
@@ -575,19 +581,13 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * rt + h;
-        const bool ok = rows_ok & (1u << j);
-        const char* sp = sbase + j * p.s_rs8 + (gidx << p.s_shift);
-        if constexpr (MT == 1) {
-          ldg_stream_if(st.w[rt][h], pc + j * p.q_rs8, ok);
-          ldg_scale_if(st.s[rt][h], sp, p.s_shift, ok && p.mode != 0);
-        } else {
-          // The branch form: at MT = 2 the predicated one was 4% slower (run 31).
-          st.w[rt][h] = make_uint4(0u, 0u, 0u, 0u);
-          st.s[rt][h] = 0u;
-          if (ok) {
-            ldg_stream_if(st.w[rt][h], pc + j * p.q_rs8, true);
-            if (p.mode != 0) ldg_scale_if(st.s[rt][h], sp, p.s_shift, true);
-          }
+        ldg_stream(st.w[rt][h], pc + j * p.q_rs8);
+        const char* sp = sbase + j * p.s_rs8 + (gidx << SSHIFT);
+        // int4 at M > 8 is at the register cap: there the branch form spills less.
+        if constexpr (BITS == 8 || MT == 1) {
+          ldg_scale_if<S>(st.s[rt][h], sp, p.mode != 0);
+        } else if (p.mode != 0) {
+          ldg_scale_if<S>(st.s[rt][h], sp, true);
         }
       }
     if (p.mode != 0) {
@@ -648,7 +648,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        sf[rt][h] = p.mode == 0 ? 1.f : scale_from_bits(st.s[rt][h], p.s_dt);
+        sf[rt][h] = p.mode == 0 ? 1.f : scale_from_bits<S>(st.s[rt][h]);
         sfold[rt][h] = fold ? pack2<T>(sf[rt][h], sf[rt][h]) : 0u;
       }
     // k outer, weight tiles inner: the RT accumulation chains of dependent MMAs interleave.
@@ -774,28 +774,83 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     const int64_t n = n0 + rt * 16 + (ln >> 2) + 8 * (r >> 1);
     const int m = mt * 8 + 2 * (ln & 3) + (r & 1);
     if (n < p.N && m < p.M) {
-      if (p.mode == 0) v *= load_f32(p.scales, p.s_dt, n * p.s_rs);
+      if (p.mode == 0) v *= to_f32(static_cast<const S*>(p.scales)[n * p.s_rs]);
       if (p.bias) v += to_f32(static_cast<const T*>(p.bias)[n * p.bias_stride]);
       static_cast<T*>(p.y)[m * p.y_rs + n * p.y_cs] = from_f32<T>(apply_act(v, p.act));
     }
   }
 }
 
-template <typename T, int BITS>
+// Launches gemv_tc_kernel over p.N rows (a multiple of tcv::ROWS).
+template <typename T, typename S, int BITS>
 Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
-  const int64_t blocks = ceil_div(p.N, tcv::ROWS);
+  const int64_t blocks = p.N / tcv::ROWS;
   if (blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
   const unsigned nb = static_cast<unsigned>(blocks);
   // int4 with whole-chunk scales (per channel or groups of >= 128): the offset form.
   const bool offset = BITS == 4 && p.mode != 2;
   if (p.M <= 8) {
-    if (offset) gemv_tc_kernel<T, BITS, 1, BITS == 4><<<nb, tcv::THREADS, 0, stream>>>(p);
-    else gemv_tc_kernel<T, BITS, 1, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+    if (offset) gemv_tc_kernel<T, S, BITS, 1, BITS == 4><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else gemv_tc_kernel<T, S, BITS, 1, false><<<nb, tcv::THREADS, 0, stream>>>(p);
   } else {
-    if (offset) gemv_tc_kernel<T, BITS, 2, BITS == 4><<<nb, tcv::THREADS, 0, stream>>>(p);
-    else gemv_tc_kernel<T, BITS, 2, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+    if (offset) gemv_tc_kernel<T, S, BITS, 2, BITS == 4><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else gemv_tc_kernel<T, S, BITS, 2, false><<<nb, tcv::THREADS, 0, stream>>>(p);
   }
   return launch_status();
+}
+
+template <typename T, int BITS>
+Status launch_gemv_tc(const TcvParams& p, DType scales, cudaStream_t stream) {
+  switch (scales) {
+    case DType::f16:
+      return launch_gemv_tc<T, __half, BITS>(p, stream);
+    case DType::bf16:
+      return launch_gemv_tc<T, __nv_bfloat16, BITS>(p, stream);
+    default:
+      return launch_gemv_tc<T, float, BITS>(p, stream);
+  }
+}
+
+QuantParams quant_params(const MixedLinearArgs& args) {
+  QuantParams qp;
+  qp.q = static_cast<const uint8_t*>(args.w.data);
+  qp.q_rs = args.w.row_stride;
+  qp.bits = args.w.bits;
+  qp.gs = args.w.group_size;
+  qp.scales = args.w.scales;
+  qp.s_rs = args.w.scales_row_stride;
+  qp.s_dt = static_cast<int>(args.w.scales_dtype);
+  qp.N = args.w.n;
+  qp.K = args.x.cols;
+  qp.wfast = 0;
+  qp.uniform = 0;
+  return qp;
+}
+
+int64_t elem_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
+
+// The SIMT GEMV (M <= 16) over output channels [n_begin, N).
+Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream_t stream) {
+  GemvParams p;
+  p.w = quant_params(args);
+  p.w.q += n_begin * p.w.q_rs;
+  p.w.scales = static_cast<const char*>(p.w.scales) +
+               n_begin * p.w.s_rs * elem_bytes(args.w.scales_dtype);
+  p.w.N -= n_begin;
+  const int64_t xb = elem_bytes(args.x.dtype);
+  p.x = args.x.data;
+  p.x_rs = args.x.row_stride;
+  p.x_cs = args.x.col_stride;
+  p.x_dt = static_cast<int>(args.x.dtype);
+  p.bias = args.bias ? static_cast<const char*>(args.bias) + n_begin * args.bias_stride * xb
+                     : nullptr;
+  p.bias_stride = args.bias_stride;
+  p.y = static_cast<char*>(args.y.data) + n_begin * args.y.col_stride * xb;
+  p.y_rs = args.y.row_stride;
+  p.y_cs = args.y.col_stride;
+  p.M = static_cast<int>(args.x.rows);
+  p.act = static_cast<int>(args.activation);
+  return p.w.bits == 8 ? gemv_dispatch<8>(p, stream) : gemv_dispatch<4>(p, stream);
 }
 
 // The tensor-core GEMV's preconditions (else the SIMT GEMV): f16/bf16 x with unit column
@@ -829,7 +884,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.scales = a.w.scales;
   p.s_rs = a.w.scales_row_stride;
   p.s_dt = static_cast<int>(a.w.scales_dtype);
-  p.s_shift = a.w.scales_dtype == DType::f32 ? 2 : 1;
+  p.s_shift = elem_bytes(a.w.scales_dtype) == 4 ? 2 : 1;
   p.gs = a.w.group_size;
   p.mode = p.gs == 0 ? 0 : (p.gs % Cfg::CHUNK == 0 ? 1 : 2);
   if (p.gs == 0) p.gs = 1;  // unused; keeps the division defined
@@ -843,12 +898,19 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.y = a.y.data;
   p.y_rs = a.y.row_stride;
   p.y_cs = a.y.col_stride;
-  p.N = a.w.n;
+  // Whole blocks of rows here; the last N % ROWS rows (if any) on the SIMT GEMV, so that
+  // the kernel's loop carries no row bounds.
+  p.N = a.w.n / tcv::ROWS * tcv::ROWS;
   p.K = a.x.cols;
   p.M = static_cast<int>(a.x.rows);
   p.act = static_cast<int>(a.activation);
-  return a.x.dtype == DType::f16 ? launch_gemv_tc<__half, BITS>(p, stream)
-                                 : launch_gemv_tc<__nv_bfloat16, BITS>(p, stream);
+  if (p.N > 0) {
+    const Status st = a.x.dtype == DType::f16
+                          ? launch_gemv_tc<__half, BITS>(p, a.w.scales_dtype, stream)
+                          : launch_gemv_tc<__nv_bfloat16, BITS>(p, a.w.scales_dtype, stream);
+    if (!st.ok()) return st;
+  }
+  return p.N < a.w.n ? gemv_simt(a, p.N, stream) : Status{};
 }
 
 constexpr int64_t GEMV_MAX_M = 16;
@@ -885,18 +947,7 @@ Status mixed_linear(const MixedLinearArgs& args, void* stream_ptr) {
   if (M <= 0 || N <= 0) return Status{};  // nothing to write
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
 
-  QuantParams qp;
-  qp.q = static_cast<const uint8_t*>(args.w.data);
-  qp.q_rs = args.w.row_stride;
-  qp.bits = args.w.bits;
-  qp.gs = args.w.group_size;
-  qp.scales = args.w.scales;
-  qp.s_rs = args.w.scales_row_stride;
-  qp.s_dt = static_cast<int>(args.w.scales_dtype);
-  qp.N = N;
-  qp.K = K;
-  qp.wfast = 0;
-  qp.uniform = 0;
+  QuantParams qp = quant_params(args);
   if (qp.bits != 8 && qp.bits != 4)
     return Status{static_cast<int32_t>(cudaErrorInvalidValue),
                   "portable_gemm.cuda.mixed_linear: bits must be 4 or 8"};
@@ -904,20 +955,7 @@ Status mixed_linear(const MixedLinearArgs& args, void* stream_ptr) {
   if (M <= GEMV_MAX_M) {
     if (qp.bits == 4 ? gemv_tc_ok<4>(args) : gemv_tc_ok<8>(args))
       return qp.bits == 4 ? gemv_tc_dispatch<4>(args, stream) : gemv_tc_dispatch<8>(args, stream);
-    GemvParams p;
-    p.x = args.x.data;
-    p.x_rs = args.x.row_stride;
-    p.x_cs = args.x.col_stride;
-    p.x_dt = static_cast<int>(args.x.dtype);
-    p.w = qp;
-    p.bias = args.bias;
-    p.bias_stride = args.bias_stride;
-    p.y = args.y.data;
-    p.y_rs = args.y.row_stride;
-    p.y_cs = args.y.col_stride;
-    p.M = static_cast<int>(M);
-    p.act = static_cast<int>(args.activation);
-    return qp.bits == 8 ? gemv_dispatch<8>(p, stream) : gemv_dispatch<4>(p, stream);
+    return gemv_simt(args, 0, stream);
   }
 
   Epilogue ep;
