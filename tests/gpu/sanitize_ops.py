@@ -33,6 +33,10 @@ for bits, group in ((8, None), (8, 32), (4, None), (4, 128)):
             pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=torch.randn(72, device=dev).to(xdtype),
                             activation="silu")
             n_calls += 1
+            if m == 5:  # the small-M kernels are compiled per scales dtype
+                for sdtype in (torch.float32, torch.float16):
+                    pg.mixed_linear(x, q, s.to(sdtype), bits=bits, group_size=group)
+                    n_calls += 1
         n_calls += 1
 torch.cuda.synchronize()
 print(f"sanitize_ops: {n_calls} op calls completed on {torch.cuda.get_device_name()}")
