@@ -1,7 +1,8 @@
 // cuda::mixed_linear: y = act(x @ dequant(w)^T + bias), w int8 [N, K] or int4 packed
 // [N, K/2] with per-channel or group-wise scales (f32 / f16 / bf16).
 //   M <= 16, f16/bf16 x (aligned, K % 128 (int4) / 64 (int8) == 0): tensor-core GEMV
-//                   (mma.sync, weight dequantised in registers into the A fragment).
+//                   (mma.sync, weight dequantised in registers into the A fragment) over
+//                   whole blocks of 32 rows; the last N % 32 rows on the SIMT GEMV.
 //   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
 //   M > 16, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the fly
 //                   (the torch binding sends these to dequantize_rows + torch's matmul
