@@ -131,22 +131,25 @@ def test_mixed_linear_layouts_and_batch(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sdtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("bits,group", [(4, None), (4, 128), (4, 32), (8, None), (8, 64)],
+@pytest.mark.parametrize("bits,group", [(4, None), (4, 128), (4, 32), (8, None), (8, 64), (8, 32)],
                          ids=lambda v: str(v))
 def test_mixed_linear_small_m_scale_dtypes(device, sdtype, bits, group):
     # Every scales dtype with every activation dtype at M <= 16 (the CUDA tensor-core GEMV
-    # is compiled per scales type), N = 72: two whole 32-row blocks and an 8-row tail, which
-    # the CUDA path sends to another kernel; the tail is checked on its own.
-    n, k = 72, 512
+    # is compiled per scales type; groups of 128+ scale each chunk's sum, smaller ones are
+    # folded into the weight), K = 2048 so that each of its warps walks several chunks,
+    # N = 72: two whole 32-row blocks and an 8-row tail, which the CUDA path sends to another
+    # kernel; the tail is checked on its own, with a bias and an activation.
+    n, k = 72, 2048
     w = rand((n, k), torch.float32, device)
     q, s = pg.quantize_weight(w, bits=bits, group_size=group)
     s = s.to(sdtype)
     wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
     for dtype in X_DTYPES[device]:
-        for m in (1, 5, 16):
+        bias = rand((n,), dtype, device)
+        for m in (1, 5, 12, 16):
             x = rand((m, k), dtype, device)
-            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
-            ref = (x.cpu().double() @ wd.T).to(device)
+            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
+            ref = act_ref(x.cpu().double() @ wd.T + bias.cpu().double(), "silu").to(device)
             for rows, name in ((slice(0, 64), "blocks"), (slice(64, n), "tail")):
                 assert_close(out[:, rows], ref[:, rows], dtype, ML_TOL[dtype],
                              label=f"{dtype} M={m} {name}")
