@@ -257,9 +257,9 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
                           "instruction throughput (dequantising ops and vdpbf16ps per weight)")
             elif hot:
                 bound += (f"; ours does {hot:.1f} GB/s on cache-resident weights (4096 x 1024), so neither that nor "
-                          f"the probe bounds this row; most likely the VM's bandwidth moved between the probe and the row (this run's probes: "
-                          f"{probe_note(wo)[2:]}; the same case moves by 16+ points between rounds, "
-                          "bench/CPU_NOTES.md section 16)")
+                          "the probe bounds this row; most likely the VM's bandwidth moved between the probe and the "
+                          f"row (this run's probes: {probe_note(wo)[2:]}; the same case moves by 16+ points between "
+                          "rounds, bench/CPU_NOTES.md section 16)")
             row(f"{name} M=1 reads weights at >= 80% of read bandwidth",
                 f"worst {w['frac_of_read_bw']:.0%} ({w['K']}x{w['N']})", w["frac_of_read_bw"] >= 0.8, bound)
         small = [r for r in rs if r["M"] <= 16]
