@@ -391,8 +391,7 @@ struct TcvParams {
   const uint8_t* q;
   int64_t q_rs;
   const void* scales;
-  int64_t s_rs;
-  int s_dt;
+  int64_t s_rs;  // elements of the scales' type (the kernel's S)
   int mode;  // 0 per channel, 1 group scale on the chunk's fp32 partial, 2 folded
   int64_t gs;
   const void* bias;
@@ -407,7 +406,6 @@ struct TcvParams {
   // gs32, gstep and grstep fit 32 bits (gemv_tc_ok bounds the group size and count).
   int64_t q_rs8, s_rs8;
   int gs32, gstep, grstep;
-  int s_shift;  // log2 of the scale element size
 };
 
 // Streaming 16-byte weight load: read once, keep it out of L1 (x lives there). No bound
@@ -536,7 +534,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // to load, advanced without a division. Few registers: the kernel is at its cap of 128.
   const uint8_t* wbase = p.q + (n0 + g) * p.q_rs + tig * (LK * BITS / 8);
   // Scales: the row's first byte, then 32-bit counters (gemv_tc_ok: < 2^28 groups a row,
-  // so gidx << s_shift stays below 2^31).
+  // so gidx << SSHIFT stays below 2^31).
   constexpr int SSHIFT = sizeof(S) == 4 ? 2 : 1;
   const char* sbase = static_cast<const char*>(p.scales) + (((n0 + g) * p.s_rs) << SSHIFT);
   int gidx = 0, grem = 0;  // group of k; k - group * gs
@@ -812,7 +810,7 @@ Status launch_gemv_tc(const TcvParams& p, DType scales, cudaStream_t stream) {
   }
 }
 
-QuantParams quant_params(const MixedLinearArgs& args) {
+static QuantParams quant_params(const MixedLinearArgs& args) {
   QuantParams qp;
   qp.q = static_cast<const uint8_t*>(args.w.data);
   qp.q_rs = args.w.row_stride;
@@ -828,10 +826,10 @@ QuantParams quant_params(const MixedLinearArgs& args) {
   return qp;
 }
 
-int64_t elem_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
+static int64_t elem_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
 
 // The SIMT GEMV (M <= 16) over output channels [n_begin, N).
-Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream_t stream) {
+static Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream_t stream) {
   GemvParams p;
   p.w = quant_params(args);
   p.w.q += n_begin * p.w.q_rs;
@@ -884,13 +882,12 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.q_rs = a.w.row_stride;
   p.scales = a.w.scales;
   p.s_rs = a.w.scales_row_stride;
-  p.s_dt = static_cast<int>(a.w.scales_dtype);
-  p.s_shift = elem_bytes(a.w.scales_dtype) == 4 ? 2 : 1;
+  const int s_shift = elem_bytes(a.w.scales_dtype) == 4 ? 2 : 1;
   p.gs = a.w.group_size;
   p.mode = p.gs == 0 ? 0 : (p.gs % Cfg::CHUNK == 0 ? 1 : 2);
   if (p.gs == 0) p.gs = 1;  // unused; keeps the division defined
   p.q_rs8 = 8 * p.q_rs;
-  p.s_rs8 = (8 * p.s_rs) << p.s_shift;
+  p.s_rs8 = (8 * p.s_rs) << s_shift;
   p.gs32 = static_cast<int>(p.gs);
   p.gstep = static_cast<int>((tcv::KW * Cfg::CHUNK) / p.gs);
   p.grstep = static_cast<int>(tcv::KW * Cfg::CHUNK - p.gstep * p.gs);
