@@ -21,6 +21,11 @@ namespace portable_gemm {
 // kernel library and its callers: append, never renumber.
 enum class DType : int32_t { f32 = 0, f16 = 1, bf16 = 2, i8 = 3, u8 = 4 };
 
+// Bytes per element of t.
+constexpr size_t dtype_size(DType t) {
+  return t == DType::f32 ? 4 : (t == DType::i8 || t == DType::u8) ? 1 : 2;
+}
+
 // Epilogue applied after the optional bias: y = act(acc + bias).
 // gelu is the exact (erf) form, as torch.nn.functional.gelu's default.
 enum class Activation : int32_t { none = 0, relu = 1, silu = 2, gelu = 3 };

@@ -106,10 +106,6 @@ inline void store_f32(void* base, int64_t index, DType t, float v) {
   }
 }
 
-inline size_t dtype_size(DType t) {
-  return t == DType::f32 ? 4 : (t == DType::i8 || t == DType::u8) ? 1 : 2;
-}
-
 // dst[i] = src[i * stride] as fp32, for n elements; vectorised where the ISA allows.
 void convert_to_f32(const void* src, int64_t stride, DType t, int64_t n, float* dst);
 

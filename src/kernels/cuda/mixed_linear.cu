@@ -826,17 +826,15 @@ static QuantParams quant_params(const MixedLinearArgs& args) {
   return qp;
 }
 
-static int64_t elem_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
-
 // The SIMT GEMV (M <= 16) over output channels [n_begin, N).
 static Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream_t stream) {
   GemvParams p;
   p.w = quant_params(args);
   p.w.q += n_begin * p.w.q_rs;
   p.w.scales = static_cast<const char*>(p.w.scales) +
-               n_begin * p.w.s_rs * elem_bytes(args.w.scales_dtype);
+               n_begin * p.w.s_rs * static_cast<int64_t>(dtype_size(args.w.scales_dtype));
   p.w.N -= n_begin;
-  const int64_t xb = elem_bytes(args.x.dtype);
+  const int64_t xb = static_cast<int64_t>(dtype_size(args.x.dtype));
   p.x = args.x.data;
   p.x_rs = args.x.row_stride;
   p.x_cs = args.x.col_stride;
@@ -882,7 +880,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.q_rs = a.w.row_stride;
   p.scales = a.w.scales;
   p.s_rs = a.w.scales_row_stride;
-  const int s_shift = elem_bytes(a.w.scales_dtype) == 4 ? 2 : 1;
+  const int s_shift = dtype_size(a.w.scales_dtype) == 4 ? 2 : 1;
   p.gs = a.w.group_size;
   p.mode = p.gs == 0 ? 0 : (p.gs % Cfg::CHUNK == 0 ? 1 : 2);
   if (p.gs == 0) p.gs = 1;  // unused; keeps the division defined
