@@ -2,6 +2,7 @@
 measurements (no hand edits), and each goal's met / not met follows from those numbers."""
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -44,6 +45,15 @@ def test_cpu_table_is_rendered_from_its_json(benches):
     assert md == (RESULTS / "cpu_bench.md").read_text()
 
 
+def share(r: dict) -> float:
+    """A row's share of the read bandwidth from its raw numbers: the median of the per-round
+    shares where it alternated with probes, else against the one probe next to it."""
+    if "read_GBps_rounds" in r:
+        return statistics.median(r["weight_bytes"] / (t * 1e-3) / 1e9 / p
+                                 for t, p in zip(r["ours_ms_rounds"], r["read_GBps_rounds"]))
+    return r["weight_GBps"] / r["read_GBps_probe"]
+
+
 def test_cpu_goals_follow_the_numbers(benches):
     cpu_bench, _ = benches
     d = json.loads((RESULTS / "cpu_bench.json").read_text())
@@ -53,7 +63,7 @@ def test_cpu_goals_follow_the_numbers(benches):
         assert met(rows[f"{dt} gemm >= 0.9x torch.matmul at 1024-4096"]) == (worst >= 0.9)
     for bits, group, name in ((8, 0, "int8"), (4, 128, "int4 g128")):
         m1 = [r for r in d["weight_only"] if (r["bits"], r["group"], r["M"]) == (bits, group, 1)]
-        worst = min(r["weight_GBps"] / r["read_GBps_probe"] for r in m1)  # the probe next to the row
+        worst = min(share(r) for r in m1)
         cells = rows[f"{name} M=1 reads weights at >= 80% of read bandwidth"]
         assert met(cells) == (worst >= 0.8)
         assert f"worst {worst:.0%}" in cells[1]
