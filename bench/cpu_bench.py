@@ -185,7 +185,7 @@ def bench_weight_only(quick: bool, bw: float) -> list[dict]:
                 if m <= 16:  # bandwidth-bound rows: in turn with their own read-bandwidth probes
                     t_ours, sp, t_rounds, p_rounds = against_probe(ours, wbytes)
                     probe, frac = statistics.median(p_rounds), probe_share(wbytes, t_rounds, p_rounds)
-                    rounds = {"ours_ms_rounds": [t * 1e3 for t in t_rounds], "read_GBps_rounds": p_rounds}
+                    rounds.update(ours_ms_rounds=[t * 1e3 for t in t_rounds], read_GBps_rounds=p_rounds)
                 else:
                     (t_ours, sp), probe = timeit(ours, min_time=0.2), bw
                     frac = wbytes / t_ours / 1e9 / bw
