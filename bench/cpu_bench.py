@@ -75,24 +75,31 @@ def alternate(ours, ref, rounds: int = 3, **kw) -> tuple[float, float, float, fl
     return statistics.median(t_o), spread, statistics.median(t_r), statistics.median(ratios)
 
 
+def in_rounds(fns: dict, rounds: int = 3, min_time: float = 0.1, probe: bool = False) -> dict[str, list[float]]:
+    """Each of fns (name -> fn(i)) timed in turn, after a read-bandwidth probe when asked, for
+    `rounds` rounds: name -> seconds per call in each round ("probe" -> GB/s). The VM's read
+    bandwidth and speed move within seconds (bench/CPU_NOTES.md, sections 16 and 17); ratios
+    and shares taken within one round see every side under the same neighbours, as
+    `alternate` does for the dense ratios."""
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    if probe:
+        out["probe"] = []
+    for _ in range(rounds):
+        if probe:
+            out["probe"].append(read_bandwidth(min_time=min_time))
+        for name, fn in fns.items():
+            out[name].append(timeit(fn, min_time=min_time, reps=3)[0])
+    return out
+
+
+def per_round(a: list[float], b: list[float]) -> float:
+    """Median over rounds of a / b."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
 def probe_share(nbytes: int, times_s: list[float], probes_GBps: list[float]) -> float:
     """Median over rounds of (nbytes / time) / probe: the share of the read bandwidth."""
     return statistics.median(nbytes / t / 1e9 / p for t, p in zip(times_s, probes_GBps))
-
-
-def against_probe(ours, nbytes: int, rounds: int = 3, min_time: float = 0.1) -> tuple[float, float, list, list]:
-    """ours (reading nbytes of weight a call) timed in turn with the read-bandwidth probe for
-    `rounds` rounds: (median ours s, its spread, ours s per round, probe GB/s per round). The
-    VM's read bandwidth moves by 16+ points between probes seconds apart (bench/CPU_NOTES.md,
-    section 16); a share taken within one round sees both under the same neighbours, as
-    `alternate` does for the ratios against torch."""
-    t_o, probes, spread = [], [], 0.0
-    for _ in range(rounds):
-        probes.append(read_bandwidth(min_time=min_time))
-        t, sp = timeit(ours, min_time=min_time)
-        t_o.append(t)
-        spread = max(spread, sp)
-    return statistics.median(t_o), spread, t_o, probes
 
 
 def hot_rate(bits: int, group: int | None, min_time: float = 0.3) -> float:
@@ -178,35 +185,46 @@ def bench_weight_only(quick: bool, bw: float) -> list[dict]:
             ref = torch_int8(w) if bits == 8 else torch_int4(w, 128)
             for m in ms:
                 x = torch.randn(m, k).to(torch.bfloat16)
-                ours = lambda i: pg.mixed_linear(x, *qs[i % copies], bits=bits, group_size=group)  # noqa: E731
-                rounds = {}
+                fns = {"ours": lambda i: pg.mixed_linear(x, *qs[i % copies], bits=bits, group_size=group)}
+                if ref:
+                    fns["ref"] = lambda i: ref(x, i)
+                if m >= 64 or quick:
+                    fns["lin"] = lambda i: F.linear(x, ws[i % len(ws)])
+                if m == 256:  # our bf16 GEMM on the same shape: what bounds this path
+                    fns["gemm"] = lambda i: pg.gemm(x, ws[i % len(ws)].t())
+                extra = {}
                 if m == 1:  # the kernel's own rate right next to the row (the VM's speed moves too)
-                    rounds["hot_GBps"] = hot_rate(bits, group, min_time=0.2)
-                if m <= 16:  # bandwidth-bound rows: in turn with their own read-bandwidth probes
-                    t_ours, sp, t_rounds, p_rounds = against_probe(ours, wbytes)
-                    probe, frac = statistics.median(p_rounds), probe_share(wbytes, t_rounds, p_rounds)
-                    rounds.update(ours_ms_rounds=[t * 1e3 for t in t_rounds], read_GBps_rounds=p_rounds)
+                    extra["hot_GBps"] = hot_rate(bits, group, min_time=0.2)
+                # Bandwidth-bound rows (M <= 16) alternate with their own read-bandwidth probes.
+                R = in_rounds(fns, probe=m <= 16)
+                t_ours = statistics.median(R["ours"])
+                if m <= 16:
+                    probe, frac = statistics.median(R["probe"]), probe_share(wbytes, R["ours"], R["probe"])
+                    extra["read_GBps_rounds"] = R["probe"]
                 else:
-                    (t_ours, sp), probe = timeit(ours, min_time=0.2), bw
-                    frac = wbytes / t_ours / 1e9 / bw
-                t_ref = timeit(lambda i: ref(x, i), min_time=0.2)[0] if ref else None
-                t_lin = timeit(lambda i: F.linear(x, ws[i % len(ws)]), min_time=0.2)[0] if m >= 64 or quick else None
-                if m == 256:  # our bf16 GEMM on the same shape, next to the row: what bounds this path
-                    rounds["gemm_bf16_ms"] = timeit(lambda i: pg.gemm(x, ws[i % len(ws)].t()), min_time=0.2)[0] * 1e3
+                    probe, frac = bw, wbytes / t_ours / 1e9 / bw
+                for name, key in (("ours", "ours_ms_rounds"), ("ref", "torch_weight_only_ms_rounds"),
+                                  ("lin", "linear_bf16_ms_rounds"), ("gemm", "gemm_bf16_ms_rounds")):
+                    if name in R:
+                        extra[key] = [t * 1e3 for t in R[name]]
+                t_ref = statistics.median(R["ref"]) if "ref" in R else None
+                t_lin = statistics.median(R["lin"]) if "lin" in R else None
+                if "gemm" in R:
+                    extra["gemm_bf16_ms"] = statistics.median(R["gemm"]) * 1e3
                 gbs = wbytes / t_ours / 1e9
                 rows.append({"K": k, "N": n, "M": m, "bits": bits, "group": group or 0,
-                             "ours_ms": t_ours * 1e3, "spread_ms": sp * 1e3,
+                             "ours_ms": t_ours * 1e3, "spread_ms": (max(R["ours"]) - min(R["ours"])) * 1e3,
                              "torch_weight_only_ms": t_ref * 1e3 if t_ref else None,
                              "linear_bf16_ms": t_lin * 1e3 if t_lin else None,
                              "weight_GBps": gbs, "read_GBps_probe": probe, "frac_of_read_bw": frac,
-                             "ratio_vs_torch_weight_only": (t_ref / t_ours) if t_ref else None,
-                             "ratio_vs_linear_bf16": (t_lin / t_ours) if t_lin else None,
-                             "weight_bytes": wbytes, **rounds})
+                             "ratio_vs_torch_weight_only": per_round(R["ref"], R["ours"]) if t_ref else None,
+                             "ratio_vs_linear_bf16": per_round(R["lin"], R["ours"]) if t_lin else None,
+                             "weight_bytes": wbytes, **extra})
                 r = rows[-1]
                 print(f"  int{bits} g{group or 'ch':<4} K={k:<5} N={n:<5} M={m:<4} ours {t_ours * 1e3:8.2f} ms "
                       f"{gbs:6.1f} GB/s ({r['frac_of_read_bw']:.0%} of read bw {probe:.1f})"
-                      + (f"  torch {t_ref * 1e3:8.2f} ms x{t_ref / t_ours:.2f}" if t_ref else "")
-                      + (f"  bf16 F.linear x{t_lin / t_ours:.2f}" if t_lin else ""), flush=True)
+                      + (f"  torch {t_ref * 1e3:8.2f} ms x{r['ratio_vs_torch_weight_only']:.2f}" if t_ref else "")
+                      + (f"  bf16 F.linear x{r['ratio_vs_linear_bf16']:.2f}" if t_lin else ""), flush=True)
             del qs
     return rows
 
@@ -295,11 +313,16 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
                 bound += (f", more than ours does on cache-resident weights (4096 x 1024){where}: {hot:.1f} GB/s, its "
                           "own instruction throughput (dequantising ops and vdpbf16ps per weight)")
             elif hot and "read_GBps_rounds" in w:
-                shares = ", ".join(f"{w['weight_bytes'] / (t * 1e-3) / 1e9 / p:.0%} of {p:.1f}"
-                                   for t, p in zip(w["ours_ms_rounds"], w["read_GBps_rounds"]))
+                fr = [w["weight_bytes"] / (t * 1e-3) / 1e9 / p for t, p in zip(w["ours_ms_rounds"], w["read_GBps_rounds"])]
+                shares = ", ".join(f"{f:.0%} of {p:.1f}" for f, p in zip(fr, w["read_GBps_rounds"]))
                 bound += (f"; ours does {hot:.1f} GB/s on cache-resident weights (4096 x 1024){where}, so neither "
-                          f"that nor the probe bounds this row; its rounds against their probes: {shares} (the VM's "
-                          "bandwidth moves within seconds, bench/CPU_NOTES.md section 16)")
+                          f"that nor the probe bounds this row alone; its rounds against their probes: {shares}")
+                if max(fr) - min(fr) < 0.1:
+                    bound += (", steady, so it is how the kernel reads memory: 4 weight rows at a time per thread, "
+                              "each a short stream, where the probe reads one long one (bench/CPU_NOTES.md sections 3 "
+                              "and 17)")
+                else:
+                    bound += " (the VM's bandwidth moves within seconds, bench/CPU_NOTES.md section 16)"
             elif hot:
                 bound += (f"; ours does {hot:.1f} GB/s on cache-resident weights (4096 x 1024), so neither that nor "
                           "the probe bounds this row; most likely the VM's bandwidth moved between the probe and the "

@@ -69,6 +69,17 @@ def test_cpu_goals_follow_the_numbers(benches):
         assert f"worst {worst:.0%}" in cells[1]
         if not met(cells):
             assert cells[3], "a missed goal states its bound"
+    int4 = [r for r in d["weight_only"] if (r["bits"], r["group"]) == (4, 128) and r["torch_weight_only_ms"]]
+    worst = min(vs_torch(r) for r in int4)
+    assert met(rows["int4 >= 1x torch._weight_int4pack_mm_for_cpu everywhere"]) == (worst >= 1)
+
+
+def vs_torch(r: dict) -> float:
+    """torch's time over ours: the median of the per-round ratios where the two alternated,
+    else the ratio of the two medians."""
+    if "torch_weight_only_ms_rounds" in r:
+        return statistics.median(t / o for t, o in zip(r["torch_weight_only_ms_rounds"], r["ours_ms_rounds"]))
+    return r["torch_weight_only_ms"] / r["ours_ms"]
 
 
 def test_gpu_table_is_rendered_from_its_json(benches):
