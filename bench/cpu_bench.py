@@ -60,27 +60,13 @@ def read_bandwidth(min_time: float = 1.0) -> float:
     return _PROBE_BUF.numel() * 4 / t / 1e9
 
 
-def alternate(ours, ref, rounds: int = 3, **kw) -> tuple[float, float, float, float]:
-    """ours and ref timed in turn for `rounds` rounds: (median ours s, its spread, median ref s,
-    median of the per-round ratios ref / ours). The VM's neighbours come and go within seconds;
-    a ratio taken within one round sees both sides under the same load."""
-    t_o, t_r, ratios, spread = [], [], [], 0.0
-    for _ in range(rounds):
-        a, sp = timeit(ours, **kw)
-        b, _ = timeit(ref, **kw)
-        t_o.append(a)
-        t_r.append(b)
-        ratios.append(b / a)
-        spread = max(spread, sp)
-    return statistics.median(t_o), spread, statistics.median(t_r), statistics.median(ratios)
-
-
-def in_rounds(fns: dict, rounds: int = 3, min_time: float = 0.1, probe: bool = False) -> dict[str, list[float]]:
+def in_rounds(fns: dict, rounds: int = 3, min_time: float = 0.1, probe: bool = False,
+              reps: int = 3) -> dict[str, list[float]]:
     """Each of fns (name -> fn(i)) timed in turn, after a read-bandwidth probe when asked, for
-    `rounds` rounds: name -> seconds per call in each round ("probe" -> GB/s). The VM's read
-    bandwidth and speed move within seconds (bench/CPU_NOTES.md, sections 16 and 17); ratios
-    and shares taken within one round see every side under the same neighbours, as
-    `alternate` does for the dense ratios."""
+    `rounds` rounds: name -> seconds per call in each round (median of `reps`; "probe" ->
+    GB/s). The VM's neighbours come and go within seconds, and its read bandwidth and speed
+    move with them (bench/CPU_NOTES.md, sections 16 and 17): a ratio or share taken within
+    one round sees every side under the same load."""
     out: dict[str, list[float]] = {name: [] for name in fns}
     if probe:
         out["probe"] = []
@@ -88,7 +74,7 @@ def in_rounds(fns: dict, rounds: int = 3, min_time: float = 0.1, probe: bool = F
         if probe:
             out["probe"].append(read_bandwidth(min_time=min_time))
         for name, fn in fns.items():
-            out[name].append(timeit(fn, min_time=min_time, reps=3)[0])
+            out[name].append(timeit(fn, min_time=min_time, reps=reps)[0])
     return out
 
 
@@ -131,7 +117,10 @@ def bench_dense(quick: bool) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         for s in sizes:
             a, b = torch.randn(s, s).to(dtype), torch.randn(s, s).to(dtype)
-            t_ours, sp, t_ref, ratio = alternate(lambda i: pg.gemm(a, b), lambda i: torch.matmul(a, b))
+            R = in_rounds({"ours": lambda i: pg.gemm(a, b), "ref": lambda i: torch.matmul(a, b)},
+                          min_time=0.3, reps=5)
+            t_ours, t_ref, ratio = statistics.median(R["ours"]), statistics.median(R["ref"]), per_round(R["ref"], R["ours"])
+            sp = max(R["ours"]) - min(R["ours"])
             gf = 2 * s**3 / t_ours / 1e9
             rows.append({"dtype": str(dtype)[6:], "size": s, "ours_ms": t_ours * 1e3, "spread_ms": sp * 1e3,
                          "torch_ms": t_ref * 1e3, "ours_GFLOPs": gf, "ratio": ratio})
