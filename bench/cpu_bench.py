@@ -98,10 +98,6 @@ def hot_rate(bits: int, group: int | None, min_time: float = 0.3) -> float:
     return (q.numel() + s.numel() * s.element_size()) / t / 1e9
 
 
-def hot_rates() -> dict:
-    return {name: hot_rate(bits, group) for bits, group, name in ((8, None, "int8"), (4, 128, "int4 g128"))}
-
-
 def cpu_flags() -> str:
     try:
         flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0]
@@ -223,7 +219,8 @@ def markdown(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None
              f"commit `{meta['commit']}`, torch {meta['torch']}, target {meta['target']}, "
              f"{meta['threads']} threads, ISA {meta['isa']}, CPU flags: {meta['cpu_flags']}", "",
              f"Measured read bandwidth (sum over 1 GiB, same threads): **{meta['read_GBps']:.1f} GB/s** at the "
-             f"start{probe_note(wo)}. {probe_method(wo)}", "",
+             f"start{probe_note(wo)}. Rows with M <= 16 alternate with a read-bandwidth probe for 3 rounds; their "
+             "share of the read bandwidth is the median of the per-round shares.", "",
              "## Goals", "", *goals(meta, dense, wo, targets), "",
              "## Dense gemm vs torch.matmul (ratio > 1: we are faster)", "",
              "| dtype | size | ours ms | torch ms | ours GFLOP/s | ratio |", "|---|---|---|---|---|---|"]
@@ -239,13 +236,6 @@ def markdown(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None
         lines.append(f"| int{r['bits']} g{r['group'] or 'ch'} | {r['K']} | {r['N']} | {r['M']} | {r['ours_ms']:.2f} | "
                      f"{r['weight_GBps']:.1f} | {r['frac_of_read_bw']:.0%} | {vt} | {vl} |")
     return "\n".join(lines) + "\n"
-
-
-def probe_method(wo: list[dict]) -> str:
-    if any("read_GBps_rounds" in r for r in wo):
-        return ("Rows with M <= 16 alternate with a read-bandwidth probe for 3 rounds; their share of the read "
-                "bandwidth is the median of the per-round shares.")
-    return "Rows with M <= 16 are set against a probe taken right before them."
 
 
 def probe_note(wo: list[dict]) -> str:
@@ -266,7 +256,6 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
     rates = [2 * r["size"] ** 3 / (t * 1e-3) / 1e9 for r in bf16 for t in (r["ours_ms"], r["torch_ms"])]
     rates += [2 * r["M"] * r["N"] * r["K"] / (r["linear_bf16_ms"] * 1e-3) / 1e9 for r in wo if r["linear_bf16_ms"]]
     ceiling = max(rates, default=0.0)
-    ours_bf16 = max((r["ours_GFLOPs"] for r in bf16), default=0.0)
 
     def row(goal, values, ok, bound=""):
         out.append(f"| {goal} | {values} | {'yes' if ok else '**no**'} | {'' if ok else bound} |")
@@ -294,29 +283,22 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
         m1 = [r for r in rs if r["M"] == 1]
         if m1:
             w = min(m1, key=lambda r: r["frac_of_read_bw"])
-            probe = w.get("read_GBps_probe") or meta["read_GBps"]
-            hot = w.get("hot_GBps") or meta.get("hot_GBps", {}).get(name)
-            where = " right after the row" if "hot_GBps" in w else ""
+            probe, hot = w["read_GBps_probe"], w["hot_GBps"]
             bound = f"{w['weight_GBps']:.1f} GB/s vs {probe:.1f} GB/s read bandwidth next to it; 80% is {0.8 * probe:.1f}"
-            if hot and hot < 0.8 * probe:
-                bound += (f", more than ours does on cache-resident weights (4096 x 1024){where}: {hot:.1f} GB/s, its "
-                          "own instruction throughput (dequantising ops and vdpbf16ps per weight)")
-            elif hot and "read_GBps_rounds" in w:
+            if hot < 0.8 * probe:
+                bound += (f", more than ours does on cache-resident weights (4096 x 1024) right after the row: "
+                          f"{hot:.1f} GB/s, its own instruction throughput (dequantising ops and vdpbf16ps per weight)")
+            else:
                 fr = [w["weight_bytes"] / (t * 1e-3) / 1e9 / p for t, p in zip(w["ours_ms_rounds"], w["read_GBps_rounds"])]
                 shares = ", ".join(f"{f:.0%} of {p:.1f}" for f, p in zip(fr, w["read_GBps_rounds"]))
-                bound += (f"; ours does {hot:.1f} GB/s on cache-resident weights (4096 x 1024){where}, so neither "
-                          f"that nor the probe bounds this row alone; its rounds against their probes: {shares}")
+                bound += (f"; ours does {hot:.1f} GB/s on cache-resident weights (4096 x 1024) right after the row, so "
+                          f"neither that nor the probe bounds this row alone; its rounds against their probes: {shares}")
                 if max(fr) - min(fr) < 0.1:
                     bound += (", steady, so it is how the kernel reads memory: 4 weight rows at a time per thread, "
                               "each a short stream, where the probe reads one long one (bench/CPU_NOTES.md sections 3 "
                               "and 17)")
                 else:
                     bound += " (the VM's bandwidth moves within seconds, bench/CPU_NOTES.md section 16)"
-            elif hot:
-                bound += (f"; ours does {hot:.1f} GB/s on cache-resident weights (4096 x 1024), so neither that nor "
-                          "the probe bounds this row; most likely the VM's bandwidth moved between the probe and the "
-                          f"row (this run's probes: {probe_note(wo)[2:]}; the same case moves by 16+ points between "
-                          "rounds, bench/CPU_NOTES.md section 16)")
             row(f"{name} M=1 reads weights at >= 80% of read bandwidth",
                 f"worst {w['frac_of_read_bw']:.0%} ({w['K']}x{w['N']})", w["frac_of_read_bw"] >= 0.8, bound)
         small = [r for r in rs if r["M"] <= 16]
@@ -346,15 +328,12 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
         if m256:
             w = min(m256, key=lambda r: r["ratio_vs_linear_bf16"])
             need = gflops(w) / w["ratio_vs_linear_bf16"]
-            if w.get("gemm_bf16_ms"):
-                dense_rate = 2 * w["M"] * w["N"] * w["K"] / (w["gemm_bf16_ms"] * 1e-3) / 1e9
-                bounded = (f"bounded by our bf16 GEMM, which does {dense_rate:.0f} on the same shape right after the "
-                           "row, plus the dequantisation of the weight")
-            else:
-                bounded = f"bounded by our bf16 GEMM ({ours_bf16:.0f} at best in this run)"
+            dense_rate = 2 * w["M"] * w["N"] * w["K"] / (w["gemm_bf16_ms"] * 1e-3) / 1e9
             row(f"{name} M=256 >= 1x bf16 F.linear", f"worst {w['ratio_vs_linear_bf16']:.2f}x ({w['K']}x{w['N']})",
                 w["ratio_vs_linear_bf16"] >= 1,
-                f"FLOPs: F.linear runs at {need:.0f} GFLOP/s (the ceiling is {ceiling:.0f}); ours {gflops(w):.0f}, {bounded}")
+                f"FLOPs: F.linear runs at {need:.0f} GFLOP/s (the ceiling is {ceiling:.0f}); ours {gflops(w):.0f}, "
+                f"bounded by our bf16 GEMM, which does {dense_rate:.0f} on the same shape right after the row, plus "
+                "the dequantisation of the weight")
     if targets:
         worst = max(abs(v - 1) for v in targets["ratios"].values())
         row(f"target {targets['target']} (own pool) within 10% of {meta['target']} (torch's pool); "
@@ -461,11 +440,9 @@ def main() -> int:
         commit = "unknown"
     info = pg.info()
     bw = read_bandwidth()
-    hot = hot_rates()
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "torch": torch.__version__, "target": info["target"], "threads": args.threads,
-            "isa": info["features"].get("cpu_isa"), "cpu_flags": cpu_flags(), "read_GBps": bw,
-            "hot_GBps": hot}
+            "isa": info["features"].get("cpu_isa"), "cpu_flags": cpu_flags(), "read_GBps": bw}
     print(f"cpu_bench: {json.dumps(meta)}")
     dense = [] if args.skip_dense else bench_dense(args.quick)
     wo = bench_weight_only(args.quick, bw)

@@ -47,11 +47,9 @@ def test_cpu_table_is_rendered_from_its_json(benches):
 
 def share(r: dict) -> float:
     """A row's share of the read bandwidth from its raw numbers: the median of the per-round
-    shares where it alternated with probes, else against the one probe next to it."""
-    if "read_GBps_rounds" in r:
-        return statistics.median(r["weight_bytes"] / (t * 1e-3) / 1e9 / p
-                                 for t, p in zip(r["ours_ms_rounds"], r["read_GBps_rounds"]))
-    return r["weight_GBps"] / r["read_GBps_probe"]
+    shares (ours against the probe timed in the same round)."""
+    return statistics.median(r["weight_bytes"] / (t * 1e-3) / 1e9 / p
+                             for t, p in zip(r["ours_ms_rounds"], r["read_GBps_rounds"]))
 
 
 def test_cpu_goals_follow_the_numbers(benches):
@@ -75,11 +73,8 @@ def test_cpu_goals_follow_the_numbers(benches):
 
 
 def vs_torch(r: dict) -> float:
-    """torch's time over ours: the median of the per-round ratios where the two alternated,
-    else the ratio of the two medians."""
-    if "torch_weight_only_ms_rounds" in r:
-        return statistics.median(t / o for t, o in zip(r["torch_weight_only_ms_rounds"], r["ours_ms_rounds"]))
-    return r["torch_weight_only_ms"] / r["ours_ms"]
+    """torch's time over ours: the median of the per-round ratios."""
+    return statistics.median(t / o for t, o in zip(r["torch_weight_only_ms_rounds"], r["ours_ms_rounds"]))
 
 
 def test_gpu_table_is_rendered_from_its_json(benches):
