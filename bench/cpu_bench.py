@@ -83,9 +83,14 @@ def per_round(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
+def round_shares(nbytes: int, times_s: list[float], probes_GBps: list[float]) -> list[float]:
+    """(nbytes / time) / probe of each round: the share of the read bandwidth."""
+    return [nbytes / t / 1e9 / p for t, p in zip(times_s, probes_GBps)]
+
+
 def probe_share(nbytes: int, times_s: list[float], probes_GBps: list[float]) -> float:
-    """Median over rounds of (nbytes / time) / probe: the share of the read bandwidth."""
-    return statistics.median(nbytes / t / 1e9 / p for t, p in zip(times_s, probes_GBps))
+    """Median over rounds of the share of the read bandwidth."""
+    return statistics.median(round_shares(nbytes, times_s, probes_GBps))
 
 
 def hot_rate(bits: int, group: int | None, min_time: float = 0.3) -> float:
@@ -289,7 +294,7 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
                 bound += (f", more than ours does on cache-resident weights (4096 x 1024) right after the row: "
                           f"{hot:.1f} GB/s, its own instruction throughput (dequantising ops and vdpbf16ps per weight)")
             else:
-                fr = [w["weight_bytes"] / (t * 1e-3) / 1e9 / p for t, p in zip(w["ours_ms_rounds"], w["read_GBps_rounds"])]
+                fr = round_shares(w["weight_bytes"], [t * 1e-3 for t in w["ours_ms_rounds"]], w["read_GBps_rounds"])
                 shares = ", ".join(f"{f:.0%} of {p:.1f}" for f, p in zip(fr, w["read_GBps_rounds"]))
                 bound += (f"; ours does {hot:.1f} GB/s on cache-resident weights (4096 x 1024) right after the row, so "
                           f"neither that nor the probe bounds this row alone; its rounds against their probes: {shares}")
