@@ -156,6 +156,29 @@ def test_mixed_linear_small_m_scale_dtypes(device, sdtype, bits, group):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,group,k", [
+    (4, 128, 2048), (4, 24, 1200), (4, 6, 1026), (4, None, 1030),
+    (8, 64, 2048), (8, 20, 1000), (8, 10, 1030), (8, None, 2053),
+], ids=lambda v: str(v))
+def test_mixed_linear_dense_path_groups(device, bits, group, k):
+    # M = 48 with bf16 x takes the dense path, whose CPU B packer dequantises a 16-row slab
+    # at a time from 32-bit words of the quantised rows when every scale group is whole
+    # words (int4: 8 values, int8: 4) and the K block is even, and row by row otherwise:
+    # groups of 6 and 10 straddle words, K = 2053 splits into blocks of 688, 688 and 677.
+    # N = 50 leaves a slab of 2 rows; every scales dtype.
+    n, m = 50, 48
+    w = rand((n, k), torch.float32, device)
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    for sdtype in (torch.float32, torch.float16, torch.bfloat16):
+        s_t = s.to(sdtype)
+        wd = dequant_ref(q.cpu(), s_t.cpu(), bits, group)
+        x = rand((m, k), torch.bfloat16, device)
+        out = pg.mixed_linear(x, q, s_t, bits=bits, group_size=group)
+        assert_close(out, (x.cpu().double() @ wd.T).to(device), torch.bfloat16,
+                     ML_TOL[torch.bfloat16], label=f"scales {sdtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mixed_linear_scales_dtype_independent(device):
     # fp32 scales with bf16 activations (a common export format)
     n, k = 32, 128

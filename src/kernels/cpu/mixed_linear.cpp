@@ -177,9 +177,10 @@ void pack_b_quant(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t n
   }
 }
 
-// The same B as bf16 pair units for the vdpbf16ps kernels (bf16 x only): each weight row
-// is dequantised to fp32 (scale included), rounded to bf16 (relative error 2^-9 per
-// weight, as on the AMX path) and the 16 rows are transposed into the pair layout.
+// The same B as bf16 pair units for the vdpbf16ps kernels (bf16 x only): unit (p, n) holds
+// bf16(dequant(w)(n, 2p)) in its low half and bf16(dequant(w)(n, 2p + 1)) in its high half,
+// each the fp32 product q * scale rounded to bf16 (relative error 2^-9 per weight, as on
+// the AMX path).
 #if PG_X86
 PG_TARGET_AVX512_BF16 void round_row_bf16(const float* src, int64_t n, uint16_t* dst) {
   int64_t i = 0;
@@ -188,6 +189,86 @@ PG_TARGET_AVX512_BF16 void round_row_bf16(const float* src, int64_t n, uint16_t*
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
   for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
+
+// Elements of one 32-bit word of a weight row: 8 nibbles or 4 bytes.
+inline int64_t word_elems(int bits) { return bits == 4 ? 8 : 4; }
+
+// The fused form: 16 weight rows (rows >= nrows are zero) straight from their quantised
+// bytes to pair units, in one pass. 64 bytes of each row (128 k of int4, 64 of int8) are
+// loaded and transposed as 16 x 16 32-bit words, so that lane r of word vector i holds
+// word i of row r; each pair of elements in it is then sign-extended, converted, scaled
+// (the same fp32 multiply as dequant_segment), rounded to bf16 two vectors at a time and
+// interleaved into units. Bit for bit the result of the row-by-row path below it. Needs
+// an even kc and scale groups of whole words (see quant_pairs_fused_ok).
+template <int BITS>
+PG_TARGET_AVX512_BF16 void pack_quant_pairs_avx512(const QuantizedWeight& w, int64_t n0,
+                                                   int nrows, int64_t k0, int64_t kc,
+                                                   uint32_t* dst, int64_t ld, int lanes) {
+  constexpr int bits = BITS;
+  constexpr int64_t we = BITS == 4 ? 8 : 4;
+  const int64_t step = 16 * we;  // k per 64 bytes of a row
+  const int64_t kp = kc / 2;
+  const int64_t gs = w.group_size > 0 ? w.group_size : w.k;
+  const __mmask16 store_mask = __mmask16((1u << lanes) - 1);
+  // vpermw index: unit r = (element r of the low vector, element r of the high vector).
+  alignas(64) uint16_t perm[32];
+  for (int r = 0; r < 16; ++r) {
+    perm[2 * r] = uint16_t(r);
+    perm[2 * r + 1] = uint16_t(16 + r);
+  }
+  const __m512i interleave = _mm512_load_si512(perm);
+  const uint8_t* q = static_cast<const uint8_t*>(w.data);
+  int64_t group = -1;
+  __m512 sv = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < kc; kk += step) {
+    const int64_t nk = std::min(step, kc - kk);  // even
+    const int64_t nbytes = nk * bits / 8;
+    const __mmask64 bmask = nbytes >= 64 ? ~__mmask64(0) : (__mmask64(1) << nbytes) - 1;
+    __m512 v[16];
+    PG_UNROLL for (int r = 0; r < 16; ++r) {
+      v[r] = r < nrows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi8(
+                             bmask, q + (n0 + r) * w.row_stride + (k0 + kk) * bits / 8))
+                       : _mm512_setzero_ps();
+    }
+    transpose16_avx512(v);
+    const int64_t nwords = (nk + we - 1) / we;
+    for (int64_t i = 0; i < nwords; ++i) {
+      const int64_t kw = k0 + kk + i * we;  // first element of word i
+      if (kw / gs != group) {
+        group = kw / gs;
+        alignas(64) float s[16] = {};  // rows past nrows: 0, so their units are 0
+        for (int r = 0; r < nrows; ++r) s[r] = scale_at(w, n0 + r, group);
+        sv = _mm512_load_ps(s);
+      }
+      const __m512i t = _mm512_castps_si512(v[i]);
+      const int64_t p0 = (kk + i * we) / 2;
+      const int64_t npairs = std::min<int64_t>(we / 2, kp - p0);
+      PG_UNROLL for (int j = 0; j < we / 2; ++j) {
+        if (j >= npairs) break;
+        __m512i lo, hi;
+        if (BITS == 4) {  // nibbles 2j (low half of byte j) and 2j + 1 (its high half)
+          lo = _mm512_srai_epi32(_mm512_slli_epi32(t, 28 - 8 * j), 28);
+          hi = _mm512_srai_epi32(_mm512_slli_epi32(t, 24 - 8 * j), 28);
+        } else {  // bytes 2j and 2j + 1
+          lo = _mm512_srai_epi32(_mm512_slli_epi32(t, 24 - 16 * j), 24);
+          hi = _mm512_srai_epi32(_mm512_slli_epi32(t, 16 - 16 * j), 24);
+        }
+        const __m512 lof = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sv);
+        const __m512 hif = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), sv);
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hif, lof);  // lo 0..15, hi 0..15
+        _mm512_mask_storeu_epi32(dst + (p0 + j) * ld, store_mask,
+                                 _mm512_permutexvar_epi16(interleave, both));
+      }
+    }
+  }
+}
+
+// The fused packer's conditions: pairs of whole elements (even kc; int4 rows start on a
+// byte) and no scale group boundary inside a 32-bit word.
+bool quant_pairs_fused_ok(const QuantizedWeight& w, int64_t k0, int64_t kc) {
+  return active_isa() == Isa::avx512 && kc % 2 == 0 && k0 % 2 == 0 &&
+         (w.group_size == 0 || w.group_size % word_elems(w.bits) == 0);
+}
 #endif
 
 void pack_b_quant_pairs(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc, int nr,
@@ -195,6 +276,23 @@ void pack_b_quant_pairs(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int
   const QuantizedWeight& w = *static_cast<const QuantizedWeight*>(ctx);
   uint32_t* dst = reinterpret_cast<uint32_t*>(dst_f);
   const int64_t kp = (kc + 1) / 2;
+#if PG_X86
+  if (quant_pairs_fused_ok(w, k0, kc)) {
+    for (int64_t s = 0; s * nr < nc; ++s) {
+      const int64_t cols = std::min<int64_t>(nr, nc - s * nr);
+      for (int h = 0; h < nr; h += 16) {
+        const int lanes = std::min(16, nr - h);
+        const int n = int(std::max<int64_t>(0, std::min<int64_t>(lanes, cols - h)));
+        uint32_t* d = dst + s * kp * nr + h;
+        if (w.bits == 4)
+          pack_quant_pairs_avx512<4>(w, n0 + s * nr + h, n, k0, kc, d, nr, lanes);
+        else
+          pack_quant_pairs_avx512<8>(w, n0 + s * nr + h, n, k0, kc, d, nr, lanes);
+      }
+    }
+    return;
+  }
+#endif
   float* tmp = scratch(5, size_t(kc));
   uint16_t* rows = reinterpret_cast<uint16_t*>(scratch(6, size_t(8 * kc + 8)));
   for (int64_t s = 0; s * nr < nc; ++s) {
