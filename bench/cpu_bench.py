@@ -334,11 +334,17 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             w = min(m256, key=lambda r: r["ratio_vs_linear_bf16"])
             need = gflops(w) / w["ratio_vs_linear_bf16"]
             dense_rate = 2 * w["M"] * w["N"] * w["K"] / (w["gemm_bf16_ms"] * 1e-3) / 1e9
+            if gflops(w) < dense_rate:
+                why = (f"bounded by our bf16 GEMM, which does {dense_rate:.0f} on the same shape right after the row, "
+                       "plus the dequantisation of the weight")
+            else:  # the int8 / int4 packer reads fewer bytes than the bf16 one: the GEMM is no bound
+                why = (f"more than our bf16 GEMM on the same shape ({dense_rate:.0f}; it packs 2-byte weights); "
+                       "the same vdpbf16ps micro-kernel runs at its peak, and dequantising and packing take ~8% of "
+                       "the time (bench/CPU_NOTES.md, 18)")
             row(f"{name} M=256 >= 1x bf16 F.linear", f"worst {w['ratio_vs_linear_bf16']:.2f}x ({w['K']}x{w['N']})",
                 w["ratio_vs_linear_bf16"] >= 1,
                 f"FLOPs: F.linear runs at {need:.0f} GFLOP/s (the ceiling is {ceiling:.0f}); ours {gflops(w):.0f}, "
-                f"bounded by our bf16 GEMM, which does {dense_rate:.0f} on the same shape right after the row, plus "
-                "the dequantisation of the weight")
+                + why)
     if targets:
         worst = max(abs(v - 1) for v in targets["ratios"].values())
         row(f"target {targets['target']} (own pool) within 10% of {meta['target']} (torch's pool); "
