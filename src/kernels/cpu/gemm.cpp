@@ -140,31 +140,6 @@ PG_TARGET_AVX512 void convert_contig_avx512(const void* src, DType t, int64_t n,
   }
 }
 
-// In-register 16 x 16 transpose: v[r][c] -> v[c][r].
-PG_TARGET_AVX512 inline void transpose16_avx512(__m512 v[16]) {
-  __m512 t[16], u[16];
-  PG_UNROLL for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  PG_UNROLL for (int i = 0; i < 4; ++i) {  // rows 4i .. 4i+3
-    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  PG_UNROLL for (int c = 0; c < 4; ++c) {
-    t[c] = _mm512_shuffle_f32x4(u[c], u[c + 4], 0x88);
-    t[c + 4] = _mm512_shuffle_f32x4(u[c], u[c + 4], 0xDD);
-    t[c + 8] = _mm512_shuffle_f32x4(u[c + 8], u[c + 12], 0x88);
-    t[c + 12] = _mm512_shuffle_f32x4(u[c + 8], u[c + 12], 0xDD);
-  }
-  PG_UNROLL for (int c = 0; c < 8; ++c) {
-    v[c] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0x88);
-    v[c + 8] = _mm512_shuffle_f32x4(t[c], t[c + 8], 0xDD);
-  }
-}
-
 PG_TARGET_AVX512 void pack_rows_transposed_avx512(const void* const* rows, int nrows, DType t,
                                                   int64_t kc, float* dst, int64_t ld, int lanes) {
   const int64_t es = int64_t(dtype_size(t));
