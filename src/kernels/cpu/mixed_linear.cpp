@@ -211,12 +211,10 @@ PG_TARGET_AVX512_BF16 void pack_quant_pairs_avx512(const QuantizedWeight& w, int
   const int64_t gs = w.group_size > 0 ? w.group_size : w.k;
   const __mmask16 store_mask = __mmask16((1u << lanes) - 1);
   // vpermw index: unit r = (element r of the low vector, element r of the high vector).
-  alignas(64) uint16_t perm[32];
-  for (int r = 0; r < 16; ++r) {
-    perm[2 * r] = uint16_t(r);
-    perm[2 * r + 1] = uint16_t(16 + r);
-  }
-  const __m512i interleave = _mm512_load_si512(perm);
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                       21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
   const uint8_t* q = static_cast<const uint8_t*>(w.data);
   int64_t group = -1;
   __m512 sv = _mm512_setzero_ps();
@@ -277,29 +275,27 @@ void pack_b_quant_pairs(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int
   uint32_t* dst = reinterpret_cast<uint32_t*>(dst_f);
   const int64_t kp = (kc + 1) / 2;
 #if PG_X86
-  if (quant_pairs_fused_ok(w, k0, kc)) {
-    for (int64_t s = 0; s * nr < nc; ++s) {
-      const int64_t cols = std::min<int64_t>(nr, nc - s * nr);
-      for (int h = 0; h < nr; h += 16) {
-        const int lanes = std::min(16, nr - h);
-        const int n = int(std::max<int64_t>(0, std::min<int64_t>(lanes, cols - h)));
-        uint32_t* d = dst + s * kp * nr + h;
-        if (w.bits == 4)
-          pack_quant_pairs_avx512<4>(w, n0 + s * nr + h, n, k0, kc, d, nr, lanes);
-        else
-          pack_quant_pairs_avx512<8>(w, n0 + s * nr + h, n, k0, kc, d, nr, lanes);
-      }
-    }
-    return;
-  }
+  const bool fused = quant_pairs_fused_ok(w, k0, kc);
+#else
+  const bool fused = false;
 #endif
-  float* tmp = scratch(5, size_t(kc));
-  uint16_t* rows = reinterpret_cast<uint16_t*>(scratch(6, size_t(8 * kc + 8)));
+  float* tmp = fused ? nullptr : scratch(5, size_t(kc));
+  uint16_t* rows = fused ? nullptr : reinterpret_cast<uint16_t*>(scratch(6, size_t(8 * kc + 8)));
   for (int64_t s = 0; s * nr < nc; ++s) {
     const int64_t cols = std::min<int64_t>(nr, nc - s * nr);
     for (int h = 0; h < nr; h += 16) {
       const int lanes = std::min(16, nr - h);
       const int n = int(std::max<int64_t>(0, std::min<int64_t>(lanes, cols - h)));
+      uint32_t* d = dst + s * kp * nr + h;
+#if PG_X86
+      if (fused) {
+        if (w.bits == 4)
+          pack_quant_pairs_avx512<4>(w, n0 + s * nr + h, n, k0, kc, d, nr, lanes);
+        else
+          pack_quant_pairs_avx512<8>(w, n0 + s * nr + h, n, k0, kc, d, nr, lanes);
+        continue;
+      }
+#endif
       for (int j = 0; j < n; ++j) {
         dequant_row(w, n0 + s * nr + h + j, k0, kc, tmp);
 #if PG_X86
@@ -308,7 +304,7 @@ void pack_b_quant_pairs(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int
         for (int64_t k = 0; k < kc; ++k) rows[j * kc + k] = f32_to_bf16(tmp[k]);
 #endif
       }
-      pack_pairs_transposed(rows, kc, 1, n, kc, dst + s * kp * nr + h, nr, lanes);
+      pack_pairs_transposed(rows, kc, 1, n, kc, d, nr, lanes);
     }
   }
 }
