@@ -39,10 +39,12 @@ namespace cpu {
 namespace {
 
 // Above these M the dense path wins (measured A/B on the dev machine): from 17 rows when x
-// is bf16 and the vdpbf16ps GEMM runs it, unless the small path uses vdpbf16ps as well
-// (small_rows_tile, per-channel or group scales); from 33 rows otherwise. With group
-// scales, small_rows_tile at M = 17..32 took 9-16 ms against 16-28 ms on the dense path
-// (4096 x 12288 int4 and int8 g128, bench/CPU_NOTES.md, 15).
+// is bf16 and the vdpbf16ps GEMM runs it, unless the small path uses vdpbf16ps as well and
+// the scales are per channel (small_rows_tile); from 33 rows otherwise. With group scales
+// the tile path applies a scale per group and row, and since the dense path's one-pass
+// packer it loses from M = 24 (dense 0.70-0.89x its time at M = 24 and 32, g128, 4096 x
+// 12288 and 8192^2; about even at 17); per channel the tile path still wins up to 24 and
+// ties at 32 (bench/CPU_NOTES.md, 15 and 19).
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kSmallMPairs = 16;
 
@@ -1269,12 +1271,13 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
   bool ok = false;
   try {
     const bool pairs = has_bf16_x_pairs(args);
+    const bool grouped = args.w.group_size != 0 && args.w.group_size < K;
 #if PG_X86
     if (K > 0 && M >= kAmxMinM && amx_usable(args)) {
       ok = amx_linear(args, exec);
     } else
 #endif
-    if (M <= (pairs && !small_m_bf16(args) ? kSmallMPairs : kSmallM) ||
+    if (M <= (pairs && (grouped || !small_m_bf16(args)) ? kSmallMPairs : kSmallM) ||
         K == 0) {
       ok = small_m(args, exec);
     } else {
