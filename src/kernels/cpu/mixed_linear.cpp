@@ -193,7 +193,7 @@ PG_TARGET_AVX512_BF16 void round_row_bf16(const float* src, int64_t n, uint16_t*
 }
 
 // Elements of one 32-bit word of a weight row: 8 nibbles or 4 bytes.
-inline int64_t word_elems(int bits) { return bits == 4 ? 8 : 4; }
+constexpr int64_t word_elems(int bits) { return bits == 4 ? 8 : 4; }
 
 // The fused form: 16 weight rows (rows >= nrows are zero) straight from their quantised
 // bytes to pair units, in one pass. 64 bytes of each row (128 k of int4, 64 of int8) are
@@ -206,8 +206,7 @@ template <int BITS>
 PG_TARGET_AVX512_BF16 void pack_quant_pairs_avx512(const QuantizedWeight& w, int64_t n0,
                                                    int nrows, int64_t k0, int64_t kc,
                                                    uint32_t* dst, int64_t ld, int lanes) {
-  constexpr int bits = BITS;
-  constexpr int64_t we = BITS == 4 ? 8 : 4;
+  constexpr int64_t we = word_elems(BITS);
   const int64_t step = 16 * we;  // k per 64 bytes of a row
   const int64_t kp = kc / 2;
   const int64_t gs = w.group_size > 0 ? w.group_size : w.k;
@@ -222,12 +221,12 @@ PG_TARGET_AVX512_BF16 void pack_quant_pairs_avx512(const QuantizedWeight& w, int
   __m512 sv = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < kc; kk += step) {
     const int64_t nk = std::min(step, kc - kk);  // even
-    const int64_t nbytes = nk * bits / 8;
+    const int64_t nbytes = nk * BITS / 8;
     const __mmask64 bmask = nbytes >= 64 ? ~__mmask64(0) : (__mmask64(1) << nbytes) - 1;
     __m512 v[16];
     PG_UNROLL for (int r = 0; r < 16; ++r) {
       v[r] = r < nrows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi8(
-                             bmask, q + (n0 + r) * w.row_stride + (k0 + kk) * bits / 8))
+                             bmask, q + (n0 + r) * w.row_stride + (k0 + kk) * BITS / 8))
                        : _mm512_setzero_ps();
     }
     transpose16_avx512(v);
