@@ -71,6 +71,20 @@ wheel() {
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps dist/portable_gemm-*.whl
 }
 
+scratch_tmp() {
+  # Every temporary file of the run goes to one directory that is deleted when the command ends:
+  # pytest's tmp_path trees (~0.9 GB a run, three runs kept by default), inductor's precompiled
+  # headers, pip's unpacked wheels. Repeated runs on one machine had filled its disk with them.
+  local avail_gb
+  avail_gb=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "$avail_gb" -lt 12 ]; then
+    echo "warning: only $avail_gb GiB free under ${TMPDIR:-/tmp}; the full run needs about 12 GiB" >&2
+  fi
+  PG_TMP=$(mktemp -d "${TMPDIR:-/tmp}/portable_gemm_run.XXXXXX")
+  export TMPDIR=$PG_TMP
+  trap 'rm -rf "$PG_TMP"' EXIT
+}
+
 run_pytest() {
   # Run from tests/ so that the source tree's python/ never shadows the installed wheel.
   (cd tests && "$VENV/bin/python" -m pytest -q "$@")
@@ -91,6 +105,7 @@ case "$cmd" in
   bench) setup; "$VENV/bin/python" bench/cpu_bench.py "$@" ;;
   sanitize) setup; PG_VENV="$VENV" bash ci/sanitize.sh "$@" ;;
   test)
+    scratch_tmp
     wheel
     log "pytest"
     run_pytest

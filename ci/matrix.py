@@ -157,6 +157,11 @@ def run_cell(cell: dict, wheel: Path, uv: str, python: str, work: Path, args) ->
         # a cold inductor cache per cell (deleted with the venv): torch.compile really compiles
         cenv["TORCHINDUCTOR_CACHE_DIR"] = str(venv / "inductor_cache")
         cenv["TRITON_CACHE_DIR"] = str(venv / "triton_cache")
+        # inductor writes its precompiled headers (~140 MB a torch release) under
+        # $TMPDIR/torchinductor_<user>, whatever TORCHINDUCTOR_CACHE_DIR says: a TMPDIR inside the
+        # venv makes them go with it (repeated matrix runs had filled the machine's disk)
+        (venv / "tmp").mkdir(exist_ok=True)
+        cenv["TMPDIR"] = str(venv / "tmp")
         cenv["PATH"] = f"{venv / 'bin'}{os.pathsep}{cenv.get('PATH', '')}"
         t1 = time.time()
         rc, lines = run_logged(check_cmd, cenv, work, pre, args.cell_timeout)
