@@ -33,7 +33,9 @@ LARGE_K = [(16, 8192, 64)]
 # Past every cache block of the CPU driver: more rows than one row block (2040 bf16 / 480
 # fp32) with a remainder that is not a multiple of the micro-kernel's 12 rows, K over two
 # kc blocks and odd, N over one column block (1024 bf16 / 512 fp32) per task.
-BLOCK_EDGES = [(2053, 1601, 2100)]
+# The second: a single row block, so A's panels are packed for the first column block and
+# kept for the others.
+BLOCK_EDGES = [(2053, 1601, 2100), (45, 1601, 2100)]
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -179,6 +179,21 @@ def test_mixed_linear_dense_path_groups(device, bits, group, k):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, None)], ids=str)
+def test_mixed_linear_dense_path_column_blocks(device, dtype, bits, group):
+    # Past the CPU driver's column block (1024 columns per thread) and kc block with one block
+    # of rows: x's panels are packed for the first column block and kept for the others.
+    m, k, n = 45, 2048, 2100
+    w = rand((n, k), torch.float32, device)
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    x = rand((m, k), dtype, device)
+    wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
+    assert_close(pg.mixed_linear(x, q, s, bits=bits, group_size=group),
+                 (x.cpu().double() @ wd.T).to(device), dtype, ML_TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mixed_linear_scales_dtype_independent(device):
     # fp32 scales with bf16 activations (a common export format)
     n, k = 32, 128

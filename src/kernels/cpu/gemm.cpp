@@ -838,8 +838,15 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   // Panel rows: k for fp32 panels, pairs of k for bf16 pair panels (32-bit units).
   const bool pairs = ks.bf16_pairs;
   const int64_t kub = pairs ? (kcb + 1) / 2 : kcb;
+  // With one chunk of rows and several column blocks, A's panels for every kc block are
+  // kept and packed only for the first column block (else each column block packs them
+  // again), as long as they fit kKeepA bytes: 2 % of the time of an M = 256 weight-only
+  // GEMM went into packing A again (bench/CPU_NOTES.md, 20).
+  constexpr int64_t kKeepA = int64_t(16) << 20;
+  const bool keep_a = m_hi - m_lo <= mchb && n_hi - n_lo > ncb &&
+                      npc * kub * mchb * int64_t(sizeof(float)) <= kKeepA;
   float* bp = scratch(0, size_t(kub * ncb));
-  float* ap = scratch(1, size_t(kub * mchb));
+  float* ap_all = scratch(1, size_t(kub * mchb * (keep_a ? npc : 1)));
   float* ws = npc > 1 ? scratch(2, size_t(mchb * ncb)) : nullptr;
   alignas(64) float tile[16 * 64];
 
@@ -851,12 +858,14 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
         const int64_t kc = std::min(kcb, K - pc);
         const bool first = pc == 0, last = pc + kc == K;
         const int64_t ku = pairs ? (kc + 1) / 2 : kc;
+        float* ap = keep_a ? ap_all + pc / kcb * kub * mchb : ap_all;
+        const bool pack_a_now = !keep_a || jc == n_lo;
         if (pairs) {
           p.pack_b_pairs(p.b_ctx, pc, kc, jc, nc, nr, bp);
-          pack_a_pairs(p.a, mo, mch, pc, kc, mr, ap);
+          if (pack_a_now) pack_a_pairs(p.a, mo, mch, pc, kc, mr, ap);
         } else {
           p.pack_b(p.b_ctx, pc, kc, jc, nc, nr, bp);
-          pack_a(p.a, mo, mch, pc, kc, mr, ap);
+          if (pack_a_now) pack_a(p.a, mo, mch, pc, kc, mr, ap);
         }
         for (int64_t ir = 0; ir < mch; ir += mr) {
           const int m = int(std::min<int64_t>(mr, mch - ir));
