@@ -43,3 +43,26 @@ def test_kernel_library_cpp(test_binary, isa):
         env["PORTABLE_GEMM_ISA"] = isa
     proc = subprocess.run([str(test_binary)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_cpu_isa_names_the_units_in_use():
+    # info()'s cpu_isa says which units the CPU kernels dispatch to; it must agree with the
+    # CPU's flags (read independently here), so that a user can tell whether the bf16 pair
+    # kernels (vdpbf16ps) and the AMX tile path are in use on their machine.
+    isa = portable_gemm.info()["features"]["cpu_isa"]
+    if os.environ.get("PORTABLE_GEMM_ISA"):
+        pytest.skip("PORTABLE_GEMM_ISA lowers the choice")
+    if cpu_has("avx512f") and cpu_has("avx512bw") and cpu_has("avx512vl") and cpu_has("avx512dq"):
+        assert isa.startswith("avx512"), isa
+        assert ("+bf16" in isa) == cpu_has("avx512_bf16"), isa
+        amx_cpu = cpu_has("amx_bf16") and cpu_has("amx_tile") and cpu_has("avx512_bf16")
+        if "+amx" in isa:
+            assert amx_cpu, isa
+        elif amx_cpu:
+            # Linux grants the tile state on request from 5.16 on; an older kernel may refuse
+            major, minor = (int(v) for v in os.uname().release.split(".")[:2])
+            assert (major, minor) < (5, 16), f"{isa}: AMX-BF16 CPU, kernel {os.uname().release}"
+    elif cpu_has("avx2") and cpu_has("fma"):
+        assert isa == "avx2", isa
+    else:
+        assert isa == "generic", isa

@@ -138,8 +138,8 @@ namespace cpu {
 PG_API Status gemm(const GemmArgs& args, const Executor& exec);
 PG_API Status mixed_linear(const MixedLinearArgs& args, const Executor& exec);
 PG_API Status quantize(const QuantizeArgs& args, const Executor& exec);
-// The instruction set the CPU kernels dispatched to at run time, e.g. "avx512" / "avx2" /
-// "generic".
+// The instruction set the CPU kernels dispatched to at run time: "avx512+bf16+amx",
+// "avx512+bf16" (vdpbf16ps), "avx512", "avx2" or "generic".
 PG_API const char* isa();
 }  // namespace cpu
 

@@ -24,6 +24,9 @@
 #define PG_TARGET_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define PG_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define PG_TARGET_AMX                                                                    \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
+                        "fma,f16c")))
 #else
 #define PG_X86 0
 #endif
@@ -182,8 +185,17 @@ inline int64_t executor_threads(const Executor& exec) {
 
 enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
 // Chosen once: the best the CPU supports, optionally lowered (never raised) with the
-// environment variable PORTABLE_GEMM_ISA=generic|avx2|avx512 for testing fallbacks.
+// environment variable PORTABLE_GEMM_ISA=generic|avx2|avx512|avx512_bf16|amx for testing
+// fallbacks (avx512: no bf16 pair kernels; avx512_bf16: those, but no AMX).
 Isa active_isa();
+
+// True when the AMX tile unit (AMX-BF16) is used: the CPU has it, Linux granted this
+// process the tile state (asked once), and PORTABLE_GEMM_ISA does not rule it out.
+bool amx_supported();
+// The tile configuration of every AMX kernel here (tiles 0-7, 16 rows of 64 bytes), loaded
+// on / released from the calling thread.
+void amx_begin();
+void amx_end();
 
 // ---- dense GEMM driver (gemm.cpp) -------------------------------------------------------
 

@@ -16,8 +16,10 @@
 // Micro-kernels (chosen once at run time, see active_isa()): AVX-512 12 x 32, AVX2+FMA
 // 6 x 16, portable 4 x 8 (4 x 16 on aarch64) written for auto-vectorisation. bf16 x bf16
 // on CPUs with AVX512-BF16 packs bf16 pairs instead of fp32 and uses vdpbf16ps (twice
-// the FLOPs per instruction). With M <= 8 none of this pays off (each B element feeds a
-// handful of FMAs): B is then streamed row by row instead of packed (stream_gemm).
+// the FLOPs per instruction); with AMX-BF16 too, and K a multiple of 32, the same B pair
+// panels feed the tile unit (kern_amx, a 32 x 32 block of C in four tiles) and A is packed
+// as plain bf16 rows. With M <= 8 none of this pays off (each B element feeds a handful
+// of FMAs): B is then streamed row by row instead of packed (stream_gemm).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -27,7 +29,10 @@
 #include "cpu/common.h"
 
 #if PG_X86
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace portable_gemm {
@@ -65,9 +70,66 @@ Isa active_isa() {
   return isa;
 }
 
+bool amx_supported() {
+#if PG_X86
+  static const bool ok = [] {
+    if (active_isa() != Isa::avx512) return false;
+    if (const char* env = std::getenv("PORTABLE_GEMM_ISA"))
+      if (std::strcmp(env, "amx") != 0) return false;  // a forced lower path
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // amx-bf16, amx-tile
+    unsigned a1, b1, c1, d1;
+    if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !((a1 >> 5) & 1))
+      return false;  // avx512-bf16 (vcvtne2ps2bf16)
+    // Linux: ask for the XTILEDATA state (ARCH_REQ_XCOMP_PERM, feature 18) once.
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return false;
+    return true;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#if PG_X86
+namespace {
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+// Not _tile_loadconfig: GCC 12's tells the compiler that ldtilecfg reads 8 bytes, so once
+// inlined the stores of the rest of the configuration may be dropped (seen: SIGILL at the
+// first tile load, on tiles left unconfigured).
+PG_TARGET_AMX void load_tile_config(const TileConfig* cfg) {
+  __asm__ volatile("ldtilecfg %0" ::"m"(*cfg));
+}
+PG_TARGET_AMX void release_tiles() { _tile_release(); }
+}  // namespace
+
+void amx_begin() {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  load_tile_config(&cfg);
+}
+void amx_end() { release_tiles(); }
+#else
+void amx_begin() {}
+void amx_end() {}
+#endif
+
 const char* isa() {
   switch (active_isa()) {
-    case Isa::avx512: return "avx512";
+    case Isa::avx512:
+      if (amx_supported()) return "avx512+bf16+amx";
+      return has_bf16_pair_kernels() ? "avx512+bf16" : "avx512";
     case Isa::avx2: return "avx2";
     default: return "generic";
   }
@@ -387,10 +449,13 @@ using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, int64_t
 struct KernelSet {
   int mr, nr;
   int64_t kc, nc, mch;  // cache blocking (see the top of the file)
-  MicroKernel kern[17];  // kern[m] for m = 1..mr
+  MicroKernel kern[33];  // kern[m] for m = 1..mr
   // bf16 pair kernels: panels hold bf16 pairs (k, k + 1) in 32-bit units instead of fp32,
   // and a micro-kernel's kc counts pairs. Sliver offsets in 32-bit units are unchanged.
   bool bf16_pairs = false;
+  // AMX kernels (bf16_pairs too): A is packed as rows of bf16 (pack_a_rows_bf16), kc blocks
+  // are multiples of 32 k, and each task loads the tile configuration.
+  bool amx = false;
 };
 
 #if defined(__aarch64__)
@@ -522,6 +587,52 @@ PG_TARGET_AVX512_BF16 void kern_avx512_bf16(int64_t kp, const float* a, const fl
   }
 }
 
+// bf16 x bf16 on the AMX tile unit: a 32 x 32 block of C (MT = 2) or its first 16 rows
+// (MT = 1) in tiles 0-3, fp32, for kp pairs of k (a multiple of 16). Per 32 k, tiles 4-5
+// take 16 rows of A each (bf16 rows, 2 kp elements apart, from pack_a_rows_bf16) and tiles
+// 6-7 16 pair rows of the B sliver's two 16-column halves (the pair panel is already the
+// VNNI layout the unit reads), for 2 MT tdpbf16ps. Like vdpbf16ps, it flushes bf16
+// denormals to zero. The tile configuration is the caller's (amx_begin).
+template <int MT>
+PG_TARGET_AMX void kern_amx(int64_t kp, const float* a, const float* b, int64_t ldb,
+                            const float* in, int64_t ldin, float* out, int64_t ldout) {
+  const int64_t lda = 4 * kp;  // bytes per row of A
+  const char* ab = reinterpret_cast<const char*>(a);
+  if (in) {
+    _tile_loadd(0, in, ldin * 4);
+    _tile_loadd(1, in + 16, ldin * 4);
+    if (MT == 2) {
+      _tile_loadd(2, in + 16 * ldin, ldin * 4);
+      _tile_loadd(3, in + 16 * ldin + 16, ldin * 4);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (MT == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  for (int64_t p = 0; p < kp; p += 16) {
+    _tile_loadd(4, ab + 4 * p, lda);
+    _tile_loadd(6, b + p * ldb, ldb * 4);
+    _tile_loadd(7, b + p * ldb + 16, ldb * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (MT == 2) {
+      _tile_loadd(5, ab + 16 * lda + 4 * p, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, ldout * 4);
+  _tile_stored(1, out + 16, ldout * 4);
+  if (MT == 2) {
+    _tile_stored(2, out + 16 * ldout, ldout * 4);
+    _tile_stored(3, out + 16 * ldout + 16, ldout * 4);
+  }
+}
+
 bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512bf16");
@@ -556,6 +667,32 @@ const KernelSet* bf16_kernel_set() {
     s.kern[7] = kern_avx512_bf16<7>; s.kern[8] = kern_avx512_bf16<8>;
     s.kern[9] = kern_avx512_bf16<9>; s.kern[10] = kern_avx512_bf16<10>;
     s.kern[11] = kern_avx512_bf16<11>; s.kern[12] = kern_avx512_bf16<12>;
+    return &s;
+#else
+    return nullptr;
+#endif
+  }();
+  return set;
+}
+
+// The AMX kernels, or null when amx_supported() is false. Blocks: kc 512 (an A sliver of
+// 32 rows is 32 KB, a B sliver 32 KB), B blocks of 256 pairs x 1024 columns (1 MB, in L2),
+// row blocks of 2048. On the 2-thread AMX host of bench/CPU_NOTES.md 21, kc 256 and 1024
+// and nc 512 were no better within that machine's noise.
+const KernelSet* amx_kernel_set() {
+  static const KernelSet* set = []() -> const KernelSet* {
+#if PG_X86
+    if (bf16_kernel_set() == nullptr || !amx_supported()) return nullptr;
+    static KernelSet s{};
+    s.mr = 32;
+    s.nr = kAvx512NR;
+    s.kc = 512;
+    s.nc = 1024;
+    s.mch = 2048;
+    s.bf16_pairs = true;
+    s.amx = true;
+    for (int m = 1; m <= 16; ++m) s.kern[m] = kern_amx<1>;
+    for (int m = 17; m <= 32; ++m) s.kern[m] = kern_amx<2>;
     return &s;
 #else
     return nullptr;
@@ -726,6 +863,28 @@ void pack_a_pairs(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int6
   }
 }
 
+// A(i0 .. i0+mc, k0 .. k0+kc) for the AMX kernels: slivers of mr rows of kc bf16 each (row
+// i of sliver s at dst + (s * mr + i) * kc bf16), rows past mc zero.
+void pack_a_rows_bf16(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int64_t kc, int mr,
+                      float* dst_f) {
+  uint16_t* dst = reinterpret_cast<uint16_t*>(dst_f);
+  const uint16_t* base = static_cast<const uint16_t*>(a.data);
+  const int64_t rows = round_up_to(mc, mr);
+  for (int64_t i = 0; i < rows; ++i) {
+    uint16_t* d = dst + i * kc;
+    if (i >= mc) {
+      std::memset(d, 0, size_t(kc) * 2);
+      continue;
+    }
+    const uint16_t* src = base + (i0 + i) * a.row_stride + k0 * a.col_stride;
+    if (a.col_stride == 1) {
+      std::memcpy(d, src, size_t(kc) * 2);
+    } else {
+      for (int64_t k = 0; k < kc; ++k) d[k] = src[k * a.col_stride];
+    }
+  }
+}
+
 #if PG_X86
 // Row-major B: units interleave rows 2p and 2p + 1, 16 columns per step.
 PG_TARGET_AVX512 void pack_b_pairs_rows_avx512(const uint16_t* b, int64_t rs, int64_t kc,
@@ -832,7 +991,7 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   const int64_t K = p.k;
   // Even kc blocks: a K of 400 becomes 2 x 200, not 384 + 16.
   const int64_t npc = (K + ks.kc - 1) / ks.kc;
-  const int64_t kcb = round_up((K + npc - 1) / npc, 4);
+  const int64_t kcb = round_up((K + npc - 1) / npc, ks.amx ? 32 : 4);  // AMX: K % 32 == 0
   const int64_t ncb = std::min(ks.nc, round_up(n_hi - n_lo, nr));
   const int64_t mchb = std::min(ks.mch, round_up(m_hi - m_lo, mr));
   // Panel rows: k for fp32 panels, pairs of k for bf16 pair panels (32-bit units).
@@ -862,7 +1021,8 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
         const bool pack_a_now = !keep_a || jc == n_lo;
         if (pairs) {
           p.pack_b_pairs(p.b_ctx, pc, kc, jc, nc, nr, bp);
-          if (pack_a_now) pack_a_pairs(p.a, mo, mch, pc, kc, mr, ap);
+          if (pack_a_now && ks.amx) pack_a_rows_bf16(p.a, mo, mch, pc, kc, mr, ap);
+          else if (pack_a_now) pack_a_pairs(p.a, mo, mch, pc, kc, mr, ap);
         } else {
           p.pack_b(p.b_ctx, pc, kc, jc, nc, nr, bp);
           if (pack_a_now) pack_a(p.a, mo, mch, pc, kc, mr, ap);
@@ -1029,7 +1189,11 @@ void dense_task_impl(const DenseJob& job, int64_t begin, int64_t end) {
 
 void dense_task(void* ctx, int64_t begin, int64_t end) {
   const DenseJob& job = *static_cast<const DenseJob*>(ctx);
-  guarded(job.failed, [&] { dense_task_impl(job, begin, end); });
+  guarded(job.failed, [&] {
+    if (job.ks->amx) amx_begin();
+    dense_task_impl(job, begin, end);
+    if (job.ks->amx) amx_end();
+  });
 }
 
 // c = act(bias) (or act(0)): the K == 0 case.
@@ -1060,7 +1224,8 @@ bool dense_gemm(const DenseProblem& p, const Executor& exec) {
     return stream_gemm(p, ep, exec);
   const KernelSet* pair_set = bf16_kernel_set();
   const bool use_pairs = pair_set != nullptr && p.pack_b_pairs != nullptr && p.a.dtype == DType::bf16;
-  const KernelSet& ks = use_pairs ? *pair_set : kernel_set();
+  const KernelSet* amx_set = use_pairs && p.k % 32 == 0 ? amx_kernel_set() : nullptr;
+  const KernelSet& ks = amx_set ? *amx_set : use_pairs ? *pair_set : kernel_set();
   DenseJob job{&p, &ks, ep, 1, 1, (p.m + ks.mr - 1) / ks.mr, (p.n + ks.nr - 1) / ks.nr};
   int64_t threads = executor_threads(exec);
   // Waking a pool costs ~10 us: below ~128^3 (measured break-even, 40 us of work) one

@@ -27,10 +27,7 @@
 #include "cpu/common.h"
 
 #if PG_X86
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace portable_gemm {
@@ -1015,40 +1012,6 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
 // output tolerance). Only taken for bf16 x (f16 / f32 x would lose precision).
 
 #if PG_X86
-#define PG_TARGET_AMX                                                                    \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
-                        "fma,f16c")))
-
-bool amx_supported() {
-  static const bool ok = [] {
-    if (active_isa() != Isa::avx512) return false;
-    if (const char* env = std::getenv("PORTABLE_GEMM_ISA"))
-      if (std::strcmp(env, "amx") != 0) return false;  // a forced lower path
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // amx-bf16, amx-tile
-    unsigned a1, b1, c1, d1;
-    if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !((a1 >> 5) & 1))
-      return false;  // avx512-bf16 (cvtne2ps2bf16)
-    // Linux: ask for the XTILEDATA state (ARCH_REQ_XCOMP_PERM, feature 18) once.
-    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return false;
-    return true;
-  }();
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-
-PG_TARGET_AMX void amx_load_config(const TileConfig* cfg) { _tile_loadconfig(cfg); }
-PG_TARGET_AMX void amx_release() { _tile_release(); }
-
 constexpr int64_t kAmxKc = 256;  // k per dequantised block (32 channels: 16 KB of bf16)
 
 struct AmxJob {
@@ -1120,6 +1083,8 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
     for (int64_t k0 = 0; k0 < K; k0 += kAmxKc) {
       const int64_t kc = std::min(kAmxKc, K - k0);
       amx_dequant(job, nb, n1, k0, kc, abuf);
+      // GCC's _tile_loadd has no memory operand: keep the stores above before the loads.
+      __asm__ volatile("" ::: "memory");
       for (int64_t mp = 0; mp < mpairs; ++mp) {
         float* cb = cbuf + mp * 4 * 256;
         if (k0 == 0) {
@@ -1170,20 +1135,14 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
 void amx_task(void* ctx, int64_t n0, int64_t n1) {
   const AmxJob& job = *static_cast<const AmxJob*>(ctx);
   guarded(job.failed, [&] {
-    TileConfig cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    amx_load_config(&cfg);
+    amx_begin();
     const int64_t cols = n1 - n0;
     float* res = scratch(0, size_t(job.m * cols));
     if (job.mpad > 16)
       amx_rows<2>(job, n0, n1, res, cols);
     else
       amx_rows<1>(job, n0, n1, res, cols);
-    amx_release();
+    amx_end();
     job.ep.store(res, cols, 0, job.m, n0, cols);
   });
 }
