@@ -55,9 +55,13 @@ bool small_m_bf16(const MixedLinearArgs& a) {
   const int64_t bk = nib_bk(a.w);
   return has_bf16_x_pairs(a) && a.w.k >= bk && (a.w.group_size == 0 || a.w.group_size % bk == 0);
 }
-// bf16 x on AMX from this M up: below it the weight dequantisation (per weight, not per
-// row of x) costs more than the AVX-512 FMA path, which is bandwidth-bound up to M ~ 4.
+// bf16 x on AMX (amx_linear) from this M up: below it the weight dequantisation (per
+// weight, not per row of x) costs more than the AVX-512 FMA path, which is bandwidth-bound
+// up to M ~ 4. Above kAmxMaxM the dense path takes over: its GEMM runs on the tile unit
+// too (gemm.cpp, K % 32 == 0) and reads each row of x once per kc block, where amx_linear
+// reads all of x again for every 32 output channels (bench/CPU_NOTES.md, 21).
 constexpr int64_t kAmxMinM = 5;
+constexpr int64_t kAmxMaxM = 32;
 
 inline float scale_at(const QuantizedWeight& w, int64_t n, int64_t g) {
   return load_f32(w.scales, n * w.scales_row_stride + g, w.scales_dtype);
@@ -1231,7 +1235,7 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
     const bool pairs = has_bf16_x_pairs(args);
     const bool grouped = args.w.group_size != 0 && args.w.group_size < K;
 #if PG_X86
-    if (K > 0 && M >= kAmxMinM && amx_usable(args)) {
+    if (K > 0 && M >= kAmxMinM && M <= kAmxMaxM && amx_usable(args)) {
       ok = amx_linear(args, exec);
     } else
 #endif
