@@ -1,0 +1,45 @@
+# CPU probe (used on the H200 machine's AMX host, bench/CPU_NOTES.md 21): bf16 gemm (ours) vs
+# torch.matmul, 2 threads, best of 3 alternating rounds; then mixed_linear int4 g128 / int8 vs
+# torch's weight-only kernels and bf16 F.linear at M = 1, 16, 64, 256. One line per case.
+# usage: python bench/probes/cpu_amx_probe.py TAG   (PGX_SKIP_WO=1: dense only; PGX_THREADS)
+import os, sys, time
+import torch, torch.nn.functional as F
+import portable_gemm as pg
+torch.set_num_threads(int(os.environ.get("PGX_THREADS", "2")))
+tag = sys.argv[1] if len(sys.argv) > 1 else ""
+print(tag, "cpu_isa", pg.info()["features"]["cpu_isa"], "threads", torch.get_num_threads(), flush=True)
+def t(f, budget=0.25):
+    f(); n = 0; t0 = time.perf_counter(); best = 1e9
+    while time.perf_counter() - t0 < budget or n < 3:
+        a = time.perf_counter(); f(); best = min(best, time.perf_counter() - a); n += 1
+    return best
+def rounds(fs, r=3):
+    res = {k: [] for k in fs}
+    for _ in range(r):
+        for k, f in fs.items(): res[k].append(t(f))
+    return {k: min(v) for k, v in res.items()}
+for n in (256, 512, 1024, 2048, 4096):
+    a = torch.randn(n, n, dtype=torch.bfloat16); b = torch.randn(n, n, dtype=torch.bfloat16)
+    r = rounds({"ours": lambda: pg.gemm(a, b), "torch": lambda: torch.matmul(a, b)})
+    fl = 2 * n ** 3
+    print(f"{tag} gemm bf16 {n}: ours {fl / r['ours'] / 1e9:.0f} GFLOP/s, torch {fl / r['torch'] / 1e9:.0f}, ratio {r['torch'] / r['ours']:.2f}", flush=True)
+if os.environ.get("PGX_SKIP_WO"): sys.exit()
+for (K, N) in ((4096, 4096), (4096, 12288)):
+    W = torch.randn(N, K, dtype=torch.bfloat16)
+    q4, s4 = pg.quantize_weight(W, bits=4, group_size=128)
+    q8, s8 = pg.quantize_weight(W, bits=8)
+    w4 = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 8)
+    sz = torch.randn(K // 128, N, 2, dtype=torch.bfloat16)
+    w8 = torch.randint(-128, 127, (N, K), dtype=torch.int8); s8t = torch.randn(N, dtype=torch.bfloat16)
+    for m in (1, 16, 64, 256):
+        x = torch.randn(m, K, dtype=torch.bfloat16)
+        fs = {"int4": lambda: pg.mixed_linear(x, q4, s4, bits=4, group_size=128),
+              "t_int4": lambda: torch._weight_int4pack_mm_for_cpu(x, w4, 128, sz),
+              "int8": lambda: pg.mixed_linear(x, q8, s8, bits=8),
+              "t_int8": lambda: torch._weight_int8pack_mm(x, w8, s8t),
+              "F.linear": lambda: F.linear(x, W)}
+        r = rounds(fs)
+        fl = 2 * m * N * K
+        print(f"{tag} wo {K}x{N} M={m}: int4 {r['int4']*1e3:.3f} ms ({r['t_int4']/r['int4']:.2f}x torch, {r['F.linear']/r['int4']:.2f}x F.linear), "
+              f"int8 {r['int8']*1e3:.3f} ms ({r['t_int8']/r['int8']:.2f}x torch, {r['F.linear']/r['int8']:.2f}x F.linear), "
+              f"F.linear {fl / r['F.linear'] / 1e9:.0f} GFLOP/s", flush=True)
