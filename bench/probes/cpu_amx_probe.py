@@ -1,7 +1,8 @@
 # CPU probe (used on the H200 machine's AMX host, bench/CPU_NOTES.md 21): bf16 gemm (ours) vs
 # torch.matmul, 2 threads, best of 3 alternating rounds; then mixed_linear int4 g128 / int8 vs
 # torch's weight-only kernels and bf16 F.linear at M = 1, 16, 64, 256. One line per case.
-# usage: python bench/probes/cpu_amx_probe.py TAG   (PGX_SKIP_WO=1: dense only; PGX_THREADS)
+# usage: python bench/probes/cpu_amx_probe.py TAG   (PGX_SKIP_WO=1: dense only; PGX_SKIP_DENSE=1;
+#        PGX_MS=1,16: the M of the weight-only part; PGX_THREADS)
 import os, sys, time
 import torch, torch.nn.functional as F
 import portable_gemm as pg
@@ -18,7 +19,7 @@ def rounds(fs, r=3):
     for _ in range(r):
         for k, f in fs.items(): res[k].append(t(f))
     return {k: min(v) for k, v in res.items()}
-for n in (256, 512, 1024, 2048, 4096):
+for n in () if os.environ.get("PGX_SKIP_DENSE") else (256, 512, 1024, 2048, 4096):
     a = torch.randn(n, n, dtype=torch.bfloat16); b = torch.randn(n, n, dtype=torch.bfloat16)
     r = rounds({"ours": lambda: pg.gemm(a, b), "torch": lambda: torch.matmul(a, b)})
     fl = 2 * n ** 3
@@ -31,7 +32,7 @@ for (K, N) in ((4096, 4096), (4096, 12288)):
     w4 = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 8)
     sz = torch.randn(K // 128, N, 2, dtype=torch.bfloat16)
     w8 = torch.randint(-128, 127, (N, K), dtype=torch.int8); s8t = torch.randn(N, dtype=torch.bfloat16)
-    for m in (1, 16, 64, 256):
+    for m in [int(v) for v in os.environ.get("PGX_MS", "1,16,64,256").split(",")]:
         x = torch.randn(m, K, dtype=torch.bfloat16)
         fs = {"int4": lambda: pg.mixed_linear(x, q4, s4, bits=4, group_size=128),
               "t_int4": lambda: torch._weight_int4pack_mm_for_cpu(x, w4, 128, sz),

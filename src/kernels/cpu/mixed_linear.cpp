@@ -847,11 +847,22 @@ void small_task(void* ctx, int64_t n0, int64_t n1) {
 }
 
 // small_block_nib, for the fewest rows of x (from more rows on, small_rows_tile).
+int64_t nib_max_m(const QuantizedWeight& w) {
+  const bool grouped = w.group_size > 0;
+  return w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
+}
+// int8 at those M on the fp32 FMA blocks (small_rows_avx512) instead: the nibble form
+// doubles int8's dot products (high and low nibble), which costs more where vdpbf16ps has
+// half the FMA units' throughput. Measured on the AMX Xeon of bench/CPU_NOTES.md 21 (int8
+// per channel, M = 1, 2 threads): FMA blocks 1.11-1.25x torch's int8 kernel, nibble blocks
+// 0.73-0.81x; on the Zen 4 dev VM the nibble blocks are the faster ones. AMX stands for
+// that kind of core here.
+bool int8_fma_first(const MixedLinearArgs& a) {
+  return a.w.bits == 8 && a.x.rows <= nib_max_m(a.w) && amx_supported();
+}
 bool small_m_nib(const MixedLinearArgs& a) {
 #if PG_X86
-  const bool grouped = a.w.group_size > 0;
-  const int64_t max_m = a.w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
-  return small_m_bf16(a) && a.x.rows <= max_m;
+  return small_m_bf16(a) && a.x.rows <= nib_max_m(a.w) && !int8_fma_first(a);
 #else
   (void)a;
   return false;
@@ -967,7 +978,7 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   const int64_t es = int64_t(dtype_size(args.x.dtype));
   const char* xb = static_cast<const char*>(args.x.data);
   const bool nib = job.vector_path && small_m_nib(args) && x_fits_nib(args.x);
-  const bool tile = job.vector_path && !nib && small_m_bf16(args);
+  const bool tile = job.vector_path && !nib && small_m_bf16(args) && !int8_fma_first(args);
   const bool permute = job.vector_path && args.w.bits == 4 && !nib && !tile;
   float* tmp = permute ? scratch(4, size_t(K)) : nullptr;
   for (int64_t m = 0; m < M; ++m) {
