@@ -359,7 +359,8 @@ Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
 // rows per tile, dequantised in registers straight into the A fragment), x^T the B operand
 // (8 rows of x per n8 tile, MT = 1 or 2 tiles for M <= 8 / <= 16), fp32 accumulate.
 // The 4 lanes of a fragment row (t = lane % 4) each load one 16-byte piece of the row: a
-// chunk is 4 consecutive pieces (CHUNK = 128 k for int4, 64 for int8). Inside a chunk the k
+// chunk is 4 consecutive pieces (CHUNK = 128 k for int4, 64 for int8; int4 at M = 9..16 and
+// K <= 8192 takes half chunks of 8-byte pieces, see tcv_half). Inside a chunk the k
 // order of the MMAs is permuted (the dot product does not care) so that every lane uses
 // only its own piece, and x is loaded in the same permutation (16-byte loads + prmt).
 // Block = 8 warps over the same 16 * RT rows, splitting K (warp w takes chunks w, w + 8, ..);
@@ -378,12 +379,26 @@ constexpr int RT = 2;             // 16-row weight tiles per warp
 constexpr int ROWS = 16 * RT;     // weight rows (outputs) per block
 }  // namespace tcv
 
-template <int BITS>
+// k per lane per chunk (LK): one 16-byte piece of each weight row, or with HALF (int4 at
+// M > 8 only) an 8-byte piece. Two tiles of x for a half chunk take 16 registers, so there x
+// is prefetched a chunk ahead like the weights; for a whole chunk they take 32, and x is
+// loaded at the start of each chunk (two stages would spill).
+template <int BITS, bool HALF = false>
 struct TcvCfg {
-  static constexpr int LK = BITS == 4 ? 32 : 16;  // k per lane per chunk (one 16-byte piece)
-  static constexpr int CHUNK = 4 * LK;            // k per chunk
-  static constexpr int XU = LK * 2 / 16;          // 16-byte x loads per lane per x row
+  static constexpr int LK = BITS == 4 ? (HALF ? 16 : 32) : 16;
+  static constexpr int CHUNK = 4 * LK;        // k per chunk
+  static constexpr int XU = LK * 2 / 16;      // 16-byte x loads per lane per x row
+  static constexpr int WW = LK * BITS / 32;   // 32-bit weight words per lane per row
 };
+
+// int4 at M = 9..16 takes half chunks up to K = 8192. Against whole chunks on the H200
+// (bench/GPU_NOTES.md, run 39), at M = 16: 0.85-0.96x the time where K <= 8192 and the grid
+// spans more or less than one wave of blocks, 1.00 at 8192^2, but 1.04-1.16x at K = 11008
+// and 28672, where a warp walks 11-28 whole chunks and pays the per-chunk work twice as often.
+constexpr int64_t TCV_HALF_MAX_K = 8192;
+__host__ __device__ constexpr bool tcv_half(int64_t m, int64_t k) {
+  return m > 8 && k <= TCV_HALF_MAX_K;
+}
 
 struct TcvParams {
   const void* x;
@@ -411,9 +426,14 @@ struct TcvParams {
 // Streaming 16-byte weight load: read once, keep it out of L1 (x lives there). No bound
 // test: the kernel only runs over whole blocks of rows (launch_gemv_tc sends the last
 // N % ROWS rows to the SIMT GEMV).
-__device__ __forceinline__ void ldg_stream(uint4& r, const void* p) {
+__device__ __forceinline__ void ldg_stream(uint32_t (&r)[4], const void* p) {
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+      : "l"(p));
+}
+__device__ __forceinline__ void ldg_stream(uint32_t (&r)[2], const void* p) {
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0,%1}, [%2];"
+      : "=r"(r[0]), "=r"(r[1])
       : "l"(p));
 }
 // Loads predicated on `pred` without a branch (a branch per load cost ~10 instructions of
@@ -517,10 +537,10 @@ __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
 
 // Preconditions (gemv_tc_ok, launch_gemv_tc): p.N % ROWS == 0, K % CHUNK == 0, S the
 // scales' element type.
-template <typename T, typename S, int BITS, int MT, bool OFFSET>
+template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF>
 __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
-  using Cfg = TcvCfg<BITS>;
-  constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU;
+  using Cfg = TcvCfg<BITS, HALF>;
+  constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU, WW = Cfg::WW;
   constexpr int RT = tcv::RT, KW = tcv::KW, NACC = RT * MT * 4;
   __shared__ float red[KW][NACC][32];
 
@@ -552,11 +572,12 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[rt][mt][r] = 0.f;
 
-  // x is prefetched one chunk ahead with the weights, except for int4 at M > 8, where the
-  // two register stages of x (64 registers) would spill: there x is loaded per chunk.
-  constexpr bool XPF = !(BITS == 4 && MT == 2);
+  // x is prefetched one chunk ahead with the weights, except for whole int4 chunks at M > 8,
+  // where the two register stages of x (64 registers) would spill: there x is loaded per
+  // chunk.
+  constexpr bool XPF = !(BITS == 4 && MT == 2 && !HALF);
   struct Stage {
-    uint4 w[RT][2];
+    uint32_t w[RT][2][WW];
     uint32_t s[RT][2];  // raw scale bits (mode 1, 2)
     uint4 x[MT][XU];
   };
@@ -582,8 +603,8 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         const int j = 2 * rt + h;
         ldg_stream(st.w[rt][h], pc + j * p.q_rs8);
         const char* sp = sbase + j * p.s_rs8 + (gidx << SSHIFT);
-        // int4 at M > 8 is at the register cap: there the branch form spills less.
-        if constexpr (BITS == 8 || MT == 1) {
+        // int4 whole chunks at M > 8 are at the register cap: there the branch form spills less.
+        if constexpr (XPF) {
           ldg_scale_if<S>(st.s[rt][h], sp, p.mode != 0);
         } else if (p.mode != 0) {
           ldg_scale_if<S>(st.s[rt][h], sp, true);
@@ -606,10 +627,10 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     const bool fold = p.mode == 2;
     // x as B fragments, once per chunk for all RT weight tiles: [j][t][mt] for int4
     // (prmt into the permuted k order), [j][mt] for int8 (the words as they are).
-    constexpr int NB = BITS == 4 ? 8 : 4;
+    constexpr int NB = BITS == 4 ? 2 * WW : WW;
     uint32_t bx[NB][MT][2];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < WW; ++j)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if constexpr (BITS == 4) {
@@ -625,10 +646,11 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         }
       }
     // OFFSET: the chunk's OFF . x, the same for every weight row (A = OFF everywhere).
-    // At M <= 8 (MT = 1) it is accumulated in the k loop below, next to the weight tiles'
-    // MMAs, as a third chain to interleave with theirs (4-7% faster, run 31); at MT = 2 that
-    // needs more registers than the kernel has, so there it is computed first.
-    constexpr bool CORR_IN_LOOP = OFFSET && MT == 1;
+    // At M <= 8 (MT = 1) and on half chunks it is accumulated in the k loop below, next to
+    // the weight tiles' MMAs, as a third chain to interleave with theirs (4-7% faster, run
+    // 31); on whole chunks at MT = 2 that needs more registers than the kernel has, so there
+    // it is computed first.
+    constexpr bool CORR_IN_LOOP = OFFSET && (MT == 1 || HALF);
     float corr[MT][4];
     const uint32_t off[4] = {dq4_offset_pair<T>(), dq4_offset_pair<T>(), dq4_offset_pair<T>(),
                              dq4_offset_pair<T>()};
@@ -659,7 +681,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) part[rt][mt][r] = 0.f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < WW; ++j) {
       if constexpr (BITS == 4) {
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
@@ -668,7 +690,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
             for (int mt = 0; mt < MT; ++mt) mma_16816<T>(corr[mt], off, bx[2 * j + t][mt]);
 #pragma unroll
           for (int rt = 0; rt < RT; ++rt) {
-            const uint32_t w0 = word_of(st.w[rt][0], j), w1 = word_of(st.w[rt][1], j);
+            const uint32_t w0 = st.w[rt][0][j], w1 = st.w[rt][1][j];
             uint32_t a[4];
             if constexpr (OFFSET) {
               a[0] = dq4_offset<T>(w0, 2 * t);
@@ -694,7 +716,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
       } else {
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
-          const uint32_t w0 = word_of(st.w[rt][0], j), w1 = word_of(st.w[rt][1], j);
+          const uint32_t w0 = st.w[rt][0][j], w1 = st.w[rt][1][j];
           uint32_t a[4];
           a[0] = dq8<T>(w0, 0);
           a[1] = dq8<T>(w1, 0);
@@ -789,11 +811,14 @@ Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
   // int4 with whole-chunk scales (per channel or groups of >= 128): the offset form.
   const bool offset = BITS == 4 && p.mode != 2;
   if (p.M <= 8) {
-    if (offset) gemv_tc_kernel<T, S, BITS, 1, BITS == 4><<<nb, tcv::THREADS, 0, stream>>>(p);
-    else gemv_tc_kernel<T, S, BITS, 1, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+    if (offset) gemv_tc_kernel<T, S, BITS, 1, BITS == 4, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else gemv_tc_kernel<T, S, BITS, 1, false, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+  } else if (BITS == 4 && tcv_half(p.M, p.K)) {
+    if (offset) gemv_tc_kernel<T, S, 4, 2, true, true><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else gemv_tc_kernel<T, S, 4, 2, false, true><<<nb, tcv::THREADS, 0, stream>>>(p);
   } else {
-    if (offset) gemv_tc_kernel<T, S, BITS, 2, BITS == 4><<<nb, tcv::THREADS, 0, stream>>>(p);
-    else gemv_tc_kernel<T, S, BITS, 2, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+    if (offset) gemv_tc_kernel<T, S, BITS, 2, BITS == 4, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else gemv_tc_kernel<T, S, BITS, 2, false, false><<<nb, tcv::THREADS, 0, stream>>>(p);
   }
   return launch_status();
 }
@@ -856,7 +881,7 @@ static Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream
 // (the kernel's 32-bit group counters).
 template <int BITS>
 bool gemv_tc_ok(const MixedLinearArgs& a) {
-  using Cfg = TcvCfg<BITS>;
+  using Cfg = TcvCfg<BITS>;  // its chunk and piece are multiples of the half ones
   const ConstMatrix& x = a.x;
   if (x.dtype != DType::f16 && x.dtype != DType::bf16) return false;
   if (x.cols % Cfg::CHUNK != 0) return false;
@@ -872,7 +897,8 @@ bool gemv_tc_ok(const MixedLinearArgs& a) {
 
 template <int BITS>
 Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
-  using Cfg = TcvCfg<BITS>;
+  const int64_t chunk = BITS == 4 && tcv_half(a.x.rows, a.x.cols) ? TcvCfg<BITS, true>::CHUNK
+                                                                  : TcvCfg<BITS>::CHUNK;
   TcvParams p;
   p.x = a.x.data;
   p.x_rs = a.x.row_stride;
@@ -882,13 +908,13 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.s_rs = a.w.scales_row_stride;
   const int s_shift = dtype_size(a.w.scales_dtype) == 4 ? 2 : 1;
   p.gs = a.w.group_size;
-  p.mode = p.gs == 0 ? 0 : (p.gs % Cfg::CHUNK == 0 ? 1 : 2);
+  p.mode = p.gs == 0 ? 0 : (p.gs % chunk == 0 ? 1 : 2);
   if (p.gs == 0) p.gs = 1;  // unused; keeps the division defined
   p.q_rs8 = 8 * p.q_rs;
   p.s_rs8 = (8 * p.s_rs) << s_shift;
   p.gs32 = static_cast<int>(p.gs);
-  p.gstep = static_cast<int>((tcv::KW * Cfg::CHUNK) / p.gs);
-  p.grstep = static_cast<int>(tcv::KW * Cfg::CHUNK - p.gstep * p.gs);
+  p.gstep = static_cast<int>((tcv::KW * chunk) / p.gs);
+  p.grstep = static_cast<int>(tcv::KW * chunk - p.gstep * p.gs);
   p.bias = a.bias;
   p.bias_stride = a.bias_stride;
   p.y = a.y.data;

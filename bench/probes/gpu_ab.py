@@ -1,0 +1,128 @@
+"""A/B of two builds of the CUDA kernels on the small-M (GEMV) cases, one process per build.
+
+Each process times `pg.mixed_linear` for a fixed list of cases (CUDA-graph replay of 20
+calls and eager CUDA events, weights rotated past L2, random inputs) next to bf16 F.linear
+(the in-process reference), and saves one output per case computed from seeded inputs.
+Run it alternately under each build's PYTHONPATH, for several rounds, then compare:
+
+    PYTHONPATH=SITE_A python bench/probes/gpu_ab.py run --tag A --out DIR
+    PYTHONPATH=SITE_B python bench/probes/gpu_ab.py run --tag B --out DIR
+    ... (more rounds: the files are appended to)
+    python bench/probes/gpu_ab.py compare --out DIR A B
+
+`compare` prints, per case, the best time of each build over the rounds and B / A (graph
+replay and eager), the ratio to F.linear of each, and how far B's output is from A's
+(max |B - A| / max |A|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+# (K, N, bits, group, M, x dtype)
+CASES = [
+    (8192, 8192, 4, 128, 1, "bf16"), (8192, 8192, 4, 128, 8, "bf16"),
+    (8192, 8192, 4, 128, 12, "bf16"), (8192, 8192, 4, 128, 16, "bf16"),
+    (8192, 8192, 4, 0, 16, "bf16"), (8192, 8192, 4, 64, 16, "bf16"),
+    (8192, 8192, 4, 32, 16, "bf16"), (8192, 8192, 4, 128, 16, "f16"),
+    (8192, 8192, 8, 0, 16, "bf16"), (8192, 8192, 8, 128, 16, "bf16"),
+    (28672, 8192, 4, 128, 16, "bf16"), (28672, 8192, 4, 0, 16, "bf16"),
+    (8192, 28672, 4, 128, 16, "bf16"), (4096, 12288, 4, 128, 16, "bf16"),
+    (4096, 12288, 4, 0, 16, "bf16"), (4096, 4096, 4, 128, 16, "bf16"),
+    (11008, 4096, 4, 128, 16, "bf16"), (4096, 22016, 4, 128, 16, "bf16"),
+    (28672, 8192, 4, 128, 1, "bf16"), (28672, 8192, 4, 128, 9, "bf16"),
+]
+DT = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def name(c) -> str:
+    k, n, bits, g, m, dt = c
+    return f"({k},{n}) int{bits} g{g or 'ch'} M={m} {dt}"
+
+
+def run(tag: str, out: Path) -> None:
+    import portable_gemm as pg
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gpu_bench import copies_for, event_time_us, graph_time_us
+
+    res, outs = {}, {}
+    for c in CASES:
+        k, n, bits, g, m, dt = c
+        gen = torch.Generator(device="cuda").manual_seed(1234)
+        w = torch.randn(n, k, device="cuda", dtype=DT[dt], generator=gen) * 0.02
+        x = torch.randn(m, k, device="cuda", dtype=DT[dt], generator=gen)
+        q, s = pg.quantize_weight(w, bits=bits, group_size=g or None)
+        outs[name(c)] = pg.mixed_linear(x, q, s, bits=bits, group_size=g or None).float().cpu()
+        nq = copies_for(q.numel() * q.element_size() + s.numel() * s.element_size())
+        qs = [(q, s)] + [(q.clone(), s.clone()) for _ in range(nq - 1)]
+        ws = [w] + [w.clone() for _ in range(min(nq, 4) - 1)]
+
+        def ours(i=0):
+            qq, ss = qs[i % nq]
+            return pg.mixed_linear(x, qq, ss, bits=bits, group_size=g or None)
+
+        def ref(i=0):
+            return torch.nn.functional.linear(x, ws[i % len(ws)])
+
+        res[name(c)] = {
+            "graph_us": graph_time_us(ours, 20), "eager_us": event_time_us(ours, 50)[0],
+            "ref_graph_us": graph_time_us(ref, 20),
+        }
+        r = res[name(c)]
+        print(f"{tag} {name(c):38s} graph {r['graph_us']:7.2f} us  eager {r['eager_us']:7.2f} us  "
+              f"F.linear graph {r['ref_graph_us']:7.2f} us", flush=True)
+        del qs, ws
+        torch.cuda.empty_cache()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"ab_{tag}.jsonl", "a") as f:
+        f.write(json.dumps(res) + "\n")
+    torch.save(outs, out / f"ab_{tag}_outputs.pt")
+
+
+def compare(out: Path, a: str, b: str) -> None:
+    def best(tag):
+        rounds = [json.loads(line) for line in open(out / f"ab_{tag}.jsonl")]
+        return {c: {key: min(r[c][key] for r in rounds) for key in rounds[0][c]} for c in rounds[0]}, len(rounds)
+
+    ra, na = best(a)
+    rb, nb = best(b)
+    oa = torch.load(out / f"ab_{a}_outputs.pt")
+    ob = torch.load(out / f"ab_{b}_outputs.pt")
+    print(f"best of {na} ({a}) / {nb} ({b}) rounds; ratio = {b} / {a} (below 1: {b} is faster)")
+    print(f"{'case':38s} | {a + ' graph':>9s} {b + ' graph':>9s} {'ratio':>6s} | {a + ' eager':>9s} "
+          f"{b + ' eager':>9s} {'ratio':>6s} | {'x F.lin ' + a:>11s} {'x F.lin ' + b:>11s} | out diff")
+    for c in ra:
+        x, y = ra[c], rb[c]
+        diff = ((ob[c] - oa[c]).abs().max() / oa[c].abs().max()).item()
+        print(f"{c:38s} | {x['graph_us']:9.2f} {y['graph_us']:9.2f} {y['graph_us'] / x['graph_us']:6.3f} | "
+              f"{x['eager_us']:9.2f} {y['eager_us']:9.2f} {y['eager_us'] / x['eager_us']:6.3f} | "
+              f"{x['ref_graph_us'] / x['graph_us']:11.2f} {y['ref_graph_us'] / y['graph_us']:11.2f} | {diff:.1e}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--tag", required=True)
+    r.add_argument("--out", type=Path, required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("a")
+    c.add_argument("b")
+    args = ap.parse_args()
+    if args.cmd == "run":
+        run(args.tag, args.out)
+    else:
+        compare(args.out, args.a, args.b)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
