@@ -12,7 +12,8 @@
 //      seeds;
 //    - more rows: small_rows_tile, compute-bound, a 4 x 4 register tile over weights
 //      unpacked once per block of 4 rows into an L1 buffer.
-//    Otherwise (f32 / f16 x, no AVX512-BF16) each weight row is streamed once per chunk of
+//    Otherwise (f32 / f16 x, no AVX512-BF16; on AMX CPUs at M < kAmxMinM, see fma_first,
+//    and from kAmxMinM to kAmxMaxM amx_linear) each weight row is streamed once per chunk of
 //    up to 8 rows of x (later chunks hit L1), dequantised in registers and FMA'd against
 //    every row of the chunk (small_block_avx512). Group scales are applied per group, so
 //    no horizontal reductions happen inside K.
@@ -851,18 +852,23 @@ int64_t nib_max_m(const QuantizedWeight& w) {
   const bool grouped = w.group_size > 0;
   return w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
 }
-// int8 at those M on the fp32 FMA blocks (small_rows_avx512) instead: the nibble form
-// doubles int8's dot products (high and low nibble), which costs more where vdpbf16ps has
-// half the FMA units' throughput. Measured on the AMX Xeon of bench/CPU_NOTES.md 21 (int8
-// per channel, M = 1, 2 threads): FMA blocks 1.11-1.25x torch's int8 kernel, nibble blocks
-// 0.73-0.81x; on the Zen 4 dev VM the nibble blocks are the faster ones. AMX stands for
-// that kind of core here.
-bool int8_fma_first(const MixedLinearArgs& a) {
-  return a.w.bits == 8 && a.x.rows <= nib_max_m(a.w) && amx_supported();
+// On AMX CPUs, M below kAmxMinM takes the fp32 FMA blocks (small_rows_avx512) instead of
+// the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 at M = 1. There
+// vdpbf16ps does no more multiply-adds per cycle than the FMA units, so the bf16 blocks'
+// extra work (unpacking nibbles; int8 as two nibble dot products) is not paid back.
+// Measured on the AMX Xeon of bench/CPU_NOTES.md 21 and 23 (2 threads, 4096 x 4096 and
+// 4096 x 12288, against torch's weight-only kernels): int8 per channel M = 1 1.11-1.25x on
+// the FMA blocks, 0.73-0.81x on the nibble blocks; int8 M = 2..4 1.0-1.34x against
+// 0.65-0.77x on the tile blocks; int4 g128 M = 4 0.78-0.79 ms against 1.16-1.27 ms (4096^2),
+// M = 2 ~5-8 % faster; but int4 M = 1 10-20 % slower than its nibble block. On the Zen 4
+// dev VM the bf16 blocks are the faster ones. AMX stands for that kind of core here.
+bool fma_first(const MixedLinearArgs& a) {
+  const int64_t m = a.x.rows;
+  return m < kAmxMinM && (a.w.bits == 8 || m > 1) && amx_supported();
 }
 bool small_m_nib(const MixedLinearArgs& a) {
 #if PG_X86
-  return small_m_bf16(a) && a.x.rows <= nib_max_m(a.w) && !int8_fma_first(a);
+  return small_m_bf16(a) && a.x.rows <= nib_max_m(a.w) && !fma_first(a);
 #else
   (void)a;
   return false;
@@ -978,7 +984,7 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   const int64_t es = int64_t(dtype_size(args.x.dtype));
   const char* xb = static_cast<const char*>(args.x.data);
   const bool nib = job.vector_path && small_m_nib(args) && x_fits_nib(args.x);
-  const bool tile = job.vector_path && !nib && small_m_bf16(args) && !int8_fma_first(args);
+  const bool tile = job.vector_path && !nib && small_m_bf16(args) && !fma_first(args);
   const bool permute = job.vector_path && args.w.bits == 4 && !nib && !tile;
   float* tmp = permute ? scratch(4, size_t(K)) : nullptr;
   for (int64_t m = 0; m < M; ++m) {
