@@ -315,15 +315,20 @@ def goals(result: dict) -> list[str]:
         row("int8 M=1..16 at the same shapes >= 1.6x bf16 F.linear", f"x{_span(sp)} (x{_span(gsp)})",
             min(sp) >= 1.6, ceiling_note(rs))
     flat = {4: [], 8: []}
+    gflat = []
     for key in sorted({(r["K"], r["N"], r["bits"], r["group"]) for r in wo if r["M"] in (1, 16)}):
         one = [r for r in wo if (r["K"], r["N"], r["bits"], r["group"]) == key and r["M"] in (1, 16)]
         if len(one) == 2:
             flat[key[2]].append(one[1]["ours_us"] / one[0]["ours_us"])
+            if one[0].get("ours_graph_us") and one[1].get("ours_graph_us"):
+                gflat.append(one[1]["ours_graph_us"] / one[0]["ours_graph_us"])
     both = flat[4] + flat[8]
     if both:
-        row("M=16 within 1.3x of M=1 (every shape and scheme)", f"{_span(both)}", max(both) <= 1.3,
-            f"int4 {_span(flat[4])}, int8 {_span(flat[8])}: the M = 9..16 variant (two x tiles) waits "
-            "on x, loaded at the start of each chunk (bench/GPU_NOTES.md, run 33e)")
+        row("M=16 within 1.3x of M=1 (every shape and scheme)",
+            f"{_span(both)} ({_span(gflat)})" if gflat else _span(both), max(both) <= 1.3,
+            f"int4 {_span(flat[4])}, int8 {_span(flat[8])}: at M = 9..16 the kernel does twice the "
+            "MMAs and x fragments per weight byte (two x tiles); x prefetched a chunk ahead (half "
+            "chunks, K <= 8192) did not move 8192^2 (bench/GPU_NOTES.md, runs 33e, 36d, 39)")
     big = [r["speedup_vs_bf16"] for r in wo if r["M"] >= 1024]
     if big:
         row("weight-only M >= 1024 >= 0.8x bf16 F.linear", f"x{_span(big)}", min(big) >= 0.8,

@@ -853,12 +853,13 @@ int64_t nib_max_m(const QuantizedWeight& w) {
   return w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
 }
 // On AMX CPUs, M below kAmxMinM takes the fp32 FMA blocks (small_rows_avx512) instead of
-// the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 at M = 1. There
-// vdpbf16ps does no more multiply-adds per cycle than the FMA units, so the bf16 blocks'
-// extra work (unpacking nibbles; int8 as two nibble dot products) is not paid back.
+// the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 at M = 1. By the
+// timings there, vdpbf16ps does no more multiply-adds per cycle than the FMA units, so the
+// bf16 blocks' extra work (unpacking nibbles; int8 as two nibble dot products) is not paid
+// back.
 // Measured on the AMX Xeon of bench/CPU_NOTES.md 21 and 23 (2 threads, 4096 x 4096 and
 // 4096 x 12288, against torch's weight-only kernels): int8 per channel M = 1 1.11-1.25x on
-// the FMA blocks, 0.73-0.81x on the nibble blocks; int8 M = 2..4 1.0-1.34x against
+// the FMA blocks, 0.73-0.81x on the nibble blocks; int8 M = 2 and 4 1.07-1.37x against
 // 0.65-0.77x on the tile blocks; int4 g128 M = 4 0.78-0.79 ms against 1.16-1.27 ms (4096^2),
 // M = 2 ~5-8 % faster; but int4 M = 1 10-20 % slower than its nibble block. On the Zen 4
 // dev VM the bf16 blocks are the faster ones. AMX stands for that kind of core here.
