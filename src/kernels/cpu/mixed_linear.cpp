@@ -797,8 +797,10 @@ void small_rows_tile(const SmallJob& job, int64_t n0, int64_t n1, float* res, in
 
 template <bool INT4>
 void small_rows_avx512(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
-  // Rows of x in chunks of 8, 4, 2, 1; each block of weight rows is read from memory by
-  // the first chunk and from L1 by the others.
+  // Rows of x in chunks of 8, then at most one of 4 and one of 3, 2 or 1; each block of
+  // weight rows is read from memory by the first chunk and from L1 by the others. Every
+  // chunk dequantises the block again, so 3 rows are one chunk, not 2 + 1 (as 2 + 1, M = 3
+  // took 1.2x the time of M = 4 on the AMX host, bench/CPU_NOTES.md 23).
   const int64_t m8 = job.m / 8 * 8;
   const int64_t rest = job.m - m8;
   for (int64_t n = n0; n < n1; n += 4) {
@@ -809,8 +811,12 @@ void small_rows_avx512(const SmallJob& job, int64_t n0, int64_t n1, float* res, 
                                       ldr, n0);
     int64_t m0 = m8;
     if (rest & 4) { small_pass<4, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); m0 += 4; }
-    if (rest & 2) { small_pass<2, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
-    if (rest & 1) { small_pass<1, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
+    switch (rest & 3) {
+      case 3: small_pass<3, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); break;
+      case 2: small_pass<2, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); break;
+      case 1: small_pass<1, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); break;
+      default: break;
+    }
   }
 }
 #endif
