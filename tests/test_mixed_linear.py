@@ -156,6 +156,27 @@ def test_mixed_linear_small_m_scale_dtypes(device, sdtype, bits, group):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [None, 128, 64, 32], ids=lambda g: f"g{g or 'chan'}")
+def test_mixed_linear_small_m_int4_chunk_sizes(device, group):
+    # The CUDA tensor-core GEMV takes int4 at M = 9..16 in half chunks (8-byte pieces, x
+    # prefetched a chunk ahead; groups of 64 then scale each chunk's sum) up to K = 8192, and
+    # in whole chunks above (bench/GPU_NOTES.md, run 39): K on both sides of that bound, at
+    # M = 8 (the one-tile kernel), 9 and 16, with a bias.
+    n = 64
+    for k in (8192, 8320):
+        w = rand((n, k), torch.float32, device)
+        q, s = pg.quantize_weight(w, bits=4, group_size=group)
+        wd = dequant_ref(q.cpu(), s.cpu(), 4, group)
+        for dtype in X_DTYPES[device]:
+            bias = rand((n,), dtype, device)
+            for m in (8, 9, 16):
+                x = rand((m, k), dtype, device)
+                out = pg.mixed_linear(x, q, s, bits=4, group_size=group, bias=bias)
+                ref = (x.cpu().double() @ wd.T + bias.cpu().double()).to(device)
+                assert_close(out, ref, dtype, ML_TOL[dtype], label=f"{dtype} K={k} M={m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group,k", [
     (4, 128, 2048), (4, 24, 1200), (4, 6, 1026), (4, None, 1030),
     (8, 64, 2048), (8, 20, 1000), (8, 10, 1030), (8, None, 2053),
