@@ -146,7 +146,7 @@ def test_mixed_linear_small_m_scale_dtypes(device, sdtype, bits, group):
     wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
     for dtype in X_DTYPES[device]:
         bias = rand((n,), dtype, device)
-        for m in (1, 5, 12, 16):
+        for m in (1, 3, 5, 7, 12, 16):  # 3 and 7: the CPU blocks of 3 rows of x
             x = rand((m, k), dtype, device)
             out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
             ref = act_ref(x.cpu().double() @ wd.T + bias.cpu().double(), "silu").to(device)
