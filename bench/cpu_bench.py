@@ -30,14 +30,20 @@ DENSE_SIZES = [256, 512, 1024, 2048, 4096]
 WEIGHT_SHAPES = [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (8192, 8192), (8192, 28672)]
 MS = [1, 2, 4, 8, 16, 32, 64, 256]
 LLC_BYTES = 128 * 2**20  # every implementation rotates its weights over more than this (> any LLC here)
+LONG_CALL_S = 2.0  # a call this long is timed once per round (see timeit)
 
 
 def timeit(fn, min_time: float = 0.3, reps: int = 5) -> tuple[float, float]:
-    """Median and spread (max - min) in seconds of one call; each rep runs >= min_time/reps."""
+    """Median and spread (max - min) in seconds of one call; each rep runs >= min_time/reps.
+    A call of LONG_CALL_S or more (after the warm-up call) is that one sample: torch's bf16
+    matmul on a CPU without AVX512-BF16 takes seconds per call (2.8 s at 1024^3 on an AVX2
+    machine), and 5 more reps in each of 3 rounds would be most of the run."""
     fn(0)
     t0 = time.perf_counter()
     fn(1)
     one = max(time.perf_counter() - t0, 1e-6)
+    if one >= LONG_CALL_S:
+        return one, 0.0
     inner = max(1, int(min_time / reps / one))
     samples = []
     for r in range(reps):
