@@ -369,62 +369,56 @@ struct SmallJob {
   mutable std::atomic<bool> failed{false};
 };
 
-// Portable: dequantise one weight row to fp32 (L1-resident), then dot it with every row
-// of x. Eight partial sums keep the reduction vectorisable without -ffast-math.
-void small_rows_generic(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
-  const QuantizedWeight& w = job.args->w;
-  const int64_t K = job.k;
-  float* row = scratch(4, size_t(K));
-  for (int64_t n = n0; n < n1; ++n) {
-    dequant_row(w, n, 0, K, row);
-    for (int64_t m = 0; m < job.m; ++m) {
-      const float* xm = job.x + m * job.ldx;
-      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8)
-        for (int j = 0; j < 8; ++j) part[j] += row[k + j] * xm[k + j];
-      float sum = 0.f;
-      for (; k < K; ++k) sum += row[k] * xm[k];
-      for (int j = 0; j < 8; ++j) sum += part[j];
-      res[m * ldr + (n - n0)] = sum;
-    }
-  }
+// Sum of a[k] * b[k], k < n. Portable: eight partial sums keep it vectorisable without
+// -ffast-math.
+float dot_portable(const float* a, const float* b, int64_t n) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (int j = 0; j < 8; ++j) part[j] += a[k + j] * b[k + j];
+  float sum = 0.f;
+  for (; k < n; ++k) sum += a[k] * b[k];
+  for (int j = 0; j < 8; ++j) sum += part[j];
+  return sum;
 }
 
 #if PG_X86
-// small_rows_generic on AVX2 + FMA: the row dequantised by dequant_segment_avx2, the dots 8
-// lanes wide in four chains. On an AVX2-only EPYC (2 threads, bf16 x) the portable loops
-// read int8 / int4 weights at 4.4-4.9 / 1.9-2.0 GB/s at M = 1, 0.31-0.37x torch's
-// weight-only kernels (bench/CPU_NOTES.md 24).
-PG_TARGET_AVX2 void small_rows_avx2(const SmallJob& job, int64_t n0, int64_t n1, float* res,
-                                    int64_t ldr) {
+// The same on AVX2 + FMA: 8 lanes in four chains. On an AVX2-only EPYC (2 threads, bf16 x)
+// the portable loops read int8 / int4 weights at 4.4-4.9 / 1.9-2.0 GB/s at M = 1, 0.31-0.37x
+// torch's weight-only kernels; with this and dequant_segment_avx2, 2.3-3.0x faster
+// (bench/CPU_NOTES.md 24).
+PG_TARGET_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), a3);
+  }
+  for (; k + 8 <= n; k += 8)
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), a0);
+  const __m256 v = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  for (; k < n; ++k) sum += a[k] * b[k];
+  return sum;
+}
+#endif
+
+// Without the AVX-512 blocks: dequantise one weight row to fp32 (L1-resident; dequant_row
+// uses AVX2 where the CPU has it), then Dot it with every row of x.
+template <float (*Dot)(const float*, const float*, int64_t)>
+void small_rows_rowwise(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
   const QuantizedWeight& w = job.args->w;
   const int64_t K = job.k;
   float* row = scratch(4, size_t(K));
   for (int64_t n = n0; n < n1; ++n) {
     dequant_row(w, n, 0, K, row);
-    for (int64_t m = 0; m < job.m; ++m) {
-      const float* xm = job.x + m * job.ldx;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k), _mm256_loadu_ps(xm + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 8), _mm256_loadu_ps(xm + k + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 16), _mm256_loadu_ps(xm + k + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 24), _mm256_loadu_ps(xm + k + 24), a3);
-      }
-      for (; k + 8 <= K; k += 8)
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k), _mm256_loadu_ps(xm + k), a0);
-      const __m256 v = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
-      for (; k < K; ++k) sum += row[k] * xm[k];
-      res[m * ldr + (n - n0)] = sum;
-    }
+    for (int64_t m = 0; m < job.m; ++m) res[m * ldr + (n - n0)] = Dot(row, job.x + m * job.ldx, K);
   }
 }
-#endif
 
 // Sum over k in [k0, k1) of q(k) * x[k]: the scalar tail of the vector blocks below (per
 // channel only; group sizes are multiples of the vector step).
@@ -910,11 +904,11 @@ void small_task_impl(const SmallJob& job, int64_t n0, int64_t n1) {
     else
       small_rows_avx512<false>(job, n0, n1, res, cols);
   } else if (active_isa() == Isa::avx2) {
-    small_rows_avx2(job, n0, n1, res, cols);
+    small_rows_rowwise<dot_avx2>(job, n0, n1, res, cols);
   } else
 #endif
   {
-    small_rows_generic(job, n0, n1, res, cols);
+    small_rows_rowwise<dot_portable>(job, n0, n1, res, cols);
   }
   job.ep.store(res, cols, 0, job.m, n0, cols);
 }
