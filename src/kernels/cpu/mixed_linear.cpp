@@ -15,8 +15,10 @@
 //    Otherwise (f32 / f16 x, no AVX512-BF16; on AMX CPUs at M < kAmxMinM, see fma_first,
 //    and from kAmxMinM to kAmxMaxM amx_linear) each weight row is streamed once per chunk of
 //    up to 8 rows of x (later chunks hit L1), dequantised in registers and FMA'd against
-//    every row of the chunk (small_block_avx512). Group scales are applied per group, so
-//    no horizontal reductions happen inside K.
+//    every row of the chunk (small_block_avx512; on AVX2-only CPUs small_block_avx2, up to
+//    4 rows). Group scales are applied per group, so no horizontal reductions happen
+//    inside K. Group sizes that are not a multiple of the blocks' k step take a plain loop
+//    (small_rows_rowwise: a weight row dequantised into L1, then a dot per row of x).
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
@@ -348,13 +350,16 @@ void pack_b_quant_pairs(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int
 
 // ---- small-M path ------------------------------------------------------------------
 
+enum class Vec { none, avx2, avx512 };
 struct SmallJob {
   const MixedLinearArgs* args;
   const float* x;  // M x K fp32, row stride ldx (int4 vector path: permuted, see below)
   int64_t ldx;
   int64_t m, n, k;
   Epilogue ep;
-  bool vector_path;
+  // The FMA blocks apply (group sizes a multiple of their k step): avx512
+  // (small_block_avx512) or avx2 (small_block_avx2); int4 x is then permuted (see there).
+  Vec vec = Vec::none;
   // bf16 x, AVX512-BF16, more rows (see small_rows_tile): x as bf16 in the lane order of
   // the unpacked weights, K up to kvec in slices of kc.
   const uint16_t* xt = nullptr;
@@ -383,6 +388,12 @@ float dot_portable(const float* a, const float* b, int64_t n) {
 }
 
 #if PG_X86
+PG_TARGET_AVX2 inline float hsum_avx2(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
 // The same on AVX2 + FMA: 8 lanes in four chains. On an AVX2-only EPYC (2 threads, bf16 x)
 // the portable loops read int8 / int4 weights at 4.4-4.9 / 1.9-2.0 GB/s at M = 1, 0.31-0.37x
 // torch's weight-only kernels; with this and dequant_segment_avx2, 2.3-3.0x faster
@@ -398,10 +409,7 @@ PG_TARGET_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
   }
   for (; k + 8 <= n; k += 8)
     a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), a0);
-  const __m256 v = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  float sum = hsum_avx2(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   for (; k < n; ++k) sum += a[k] * b[k];
   return sum;
 }
@@ -429,6 +437,32 @@ inline float tail_dot(const uint8_t* q, bool int4, const float* x, int64_t k0, i
   return sum;
 }
 
+// What the FMA blocks share (small_block_avx512, small_block_avx2): NB weight rows, x from
+// row m0, K in whole steps (per group) and a per-channel tail.
+template <int NB>
+struct FmaRows {
+  const QuantizedWeight& w;
+  const uint8_t* q[NB];
+  const float* x;
+  int64_t ldx, k, kvec, gs, groups;
+  FmaRows(const SmallJob& job, const int64_t* rows, int64_t m0, int64_t step)
+      : w(job.args->w), x(job.x + m0 * job.ldx), ldx(job.ldx), k(job.k) {
+    for (int r = 0; r < NB; ++r) q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride;
+    kvec = k / step * step;
+    gs = w.group_size > 0 ? w.group_size : kvec;
+    groups = w.group_size > 0 ? k / gs : 1;
+  }
+  // out[r][m] (MB rows of x) += the tail k in [kvec, k) times the scale; per channel only
+  // (group sizes are multiples of the step).
+  template <int MB>
+  void add_tail(const int64_t* rows, bool int4, float* out) const {
+    if (kvec == k) return;
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m)
+        out[r * MB + m] += tail_dot(q[r], int4, x + m * ldx, kvec, k) * scale_at(w, rows[r], 0);
+  }
+};
+
 #if PG_X86
 // Entry i: the signed nibble i (i < 8 ? i : i - 16), for vpermps lookups of int4 values.
 PG_TARGET_AVX512 inline __m512 nibble_table() {
@@ -452,16 +486,12 @@ template <int MB, int NB, bool INT4>
 PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* rows, int64_t m0,
                                          float* out /* [NB][MB] */) {
   constexpr bool FOLD = !INT4 && MB <= 2;
-  const QuantizedWeight& w = job.args->w;
-  const int64_t K = job.k;
   constexpr int64_t step = INT4 ? 32 : 16;
-  const int64_t kvec = K / step * step;
-  const int64_t gs = w.group_size > 0 ? w.group_size : kvec;
-  const int64_t groups = w.group_size > 0 ? K / gs : 1;
-  const uint8_t* q[NB];
-  for (int r = 0; r < NB; ++r) q[r] = static_cast<const uint8_t*>(w.data) + rows[r] * w.row_stride;
-  const float* x = job.x + m0 * job.ldx;
-  const int64_t ldx = job.ldx;
+  const FmaRows<NB> f(job, rows, m0, step);
+  const QuantizedWeight& w = f.w;
+  const int64_t gs = f.gs, groups = f.groups, ldx = f.ldx;
+  const float* x = f.x;
+  const uint8_t* const* q = f.q;
   const __m512 nibbles = nibble_table();
 
   __m512 acc[NB][MB];
@@ -527,11 +557,85 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
   // whole array into memory, with a store per FMA in the loop above.
   PG_UNROLL for (int r = 0; r < NB; ++r)
     PG_UNROLL for (int m = 0; m < MB; ++m) out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
+  f.template add_tail<MB>(rows, INT4, out);
+}
 
-  if (kvec < K)  // per-channel only
-    for (int r = 0; r < NB; ++r)
-      for (int m = 0; m < MB; ++m)
-        out[r * MB + m] += tail_dot(q[r], INT4, x + m * ldx, kvec, K) * scale_at(w, rows[r], 0);
+// The AVX2 form of small_block_avx512 (16 ymm registers), 16 k per step: int8 as two
+// 8-byte halves (lo: k .. k + 7, hi: k + 8 .. k + 15), int4 from 8 bytes with x permuted
+// per 16-block (8 even k, then 8 odd k; lo: the low nibbles, hi: the high ones). vpermps
+// has only 8 entries here, so nibbles are sign-extended by shifts and converted instead of
+// looked up. With one or two rows of x (FOLD) the scale goes on partial sums once per
+// group, and lo and hi go into separate partial sums: with one chain per weight row and row
+// of x, the FMA latency bounds a step (int8 M = 2 ran at 20 GB/s on the AVX2 EPYC of
+// bench/CPU_NOTES.md 25, M = 1 at 37). With more rows the scale goes on the weights (one
+// multiply per 8 shared by MB FMAs), as the accumulators need the registers.
+template <int MB, int NB, bool INT4>
+PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, int64_t m0,
+                                     float* out /* [NB][MB] */) {
+  constexpr bool FOLD = MB <= 2;
+  constexpr int64_t step = 16;
+  const FmaRows<NB> f(job, rows, m0, step);
+  const QuantizedWeight& w = f.w;
+  const int64_t gs = f.gs, groups = f.groups, ldx = f.ldx;
+  const float* x = f.x;
+  const uint8_t* const* q = f.q;
+
+  __m256 acc[NB][MB];
+  PG_UNROLL for (int r = 0; r < NB; ++r)
+    PG_UNROLL for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+
+  for (int64_t g = 0; g < groups && gs > 0; ++g) {
+    __m256 s[NB];
+    PG_UNROLL for (int r = 0; r < NB; ++r) s[r] = _mm256_set1_ps(scale_at(w, rows[r], g));
+    __m256 plo[FOLD ? NB : 1][FOLD ? MB : 1], phi[FOLD ? NB : 1][FOLD ? MB : 1];
+    if constexpr (FOLD)
+      PG_UNROLL for (int r = 0; r < NB; ++r)
+        PG_UNROLL for (int m = 0; m < MB; ++m) plo[r][m] = phi[r][m] = _mm256_setzero_ps();
+    const int64_t kend = (g + 1) * gs;
+    for (int64_t k = g * gs; k < kend; k += step) {
+      const int64_t byte = INT4 ? k / 2 : k;
+      if (MB == 1 && (byte & 63) == 0)  // as in small_block_avx512
+        PG_UNROLL for (int r = 0; r < NB; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + byte + 512, _MM_HINT_T0);
+      __m256 lo[NB], hi[NB];
+      PG_UNROLL for (int r = 0; r < NB; ++r) {
+        const __m256i v = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[r] + byte)));
+        if (INT4) {
+          lo[r] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28));
+          hi[r] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4));
+        } else {
+          lo[r] = _mm256_cvtepi32_ps(v);
+          hi[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[r] + k + 8))));
+        }
+        if constexpr (!FOLD) {
+          lo[r] = _mm256_mul_ps(lo[r], s[r]);
+          hi[r] = _mm256_mul_ps(hi[r], s[r]);
+        }
+      }
+      PG_UNROLL for (int m = 0; m < MB; ++m) {
+        const __m256 xl = _mm256_loadu_ps(x + m * ldx + k);
+        const __m256 xh = _mm256_loadu_ps(x + m * ldx + k + 8);
+        PG_UNROLL for (int r = 0; r < NB; ++r) {
+          if constexpr (FOLD) {
+            plo[r][m] = _mm256_fmadd_ps(lo[r], xl, plo[r][m]);
+            phi[r][m] = _mm256_fmadd_ps(hi[r], xh, phi[r][m]);
+          } else {
+            acc[r][m] = _mm256_fmadd_ps(lo[r], xl, acc[r][m]);
+            acc[r][m] = _mm256_fmadd_ps(hi[r], xh, acc[r][m]);
+          }
+        }
+      }
+    }
+    if constexpr (FOLD)
+      PG_UNROLL for (int r = 0; r < NB; ++r)
+        PG_UNROLL for (int m = 0; m < MB; ++m)
+          acc[r][m] = _mm256_fmadd_ps(_mm256_add_ps(plo[r][m], phi[r][m]), s[r], acc[r][m]);
+  }
+  PG_UNROLL for (int r = 0; r < NB; ++r)
+    PG_UNROLL for (int m = 0; m < MB; ++m) out[r * MB + m] = hsum_avx2(acc[r][m]);
+  f.template add_tail<MB>(rows, INT4, out);
 }
 
 // Weight-only block with vdpbf16ps and no shuffles, for bf16 x (per-channel scales, or
@@ -632,26 +736,39 @@ PG_TARGET_AVX512_BF16 void small_block_nib(const SmallJob& job, const int64_t* r
 
 // One pass of a block over the NB weight rows from n and the MB rows of x from m0, into
 // res. A short last block repeats its final row: the extra results are dropped, and it
-// avoids instantiating every kernel for every row count. Register budgets (32 zmm):
-//  * small_block_avx512 (NIB false): NB x MB accumulators + NB (int4: 2 NB) dequantised
+// avoids instantiating every kernel for every row count. Register budgets:
+//  * small_block_avx512 (32 zmm): NB x MB accumulators + NB (int4: 2 NB) dequantised
 //    weight vectors + the x operand. MB = 8 pairs with NB = 2; smaller MB takes NB = 4 so
 //    that each x load feeds four FMAs and four independent weight streams are in flight.
-//  * small_block_nib (NIB true, which prefetches the next block of rows on its first pass
-//    over x) keeps a partial sum per group next to each accumulator: 2 NB MB registers, +
-//    NB raw weight vectors + NB unpacked ones + x + 3 constants. MB = 1, 2 with NB = 4;
-//    MB = 4 with NB = 2.
-template <int MB, int NB, bool INT4, bool NIB>
+//  * small_block_nib (32 zmm; it prefetches the next block of rows on its first pass over
+//    x) keeps a partial sum per group next to each accumulator: 2 NB MB registers, + NB
+//    raw weight vectors + NB unpacked ones + x + 3 constants. MB = 1, 2 with NB = 4; MB = 3,
+//    4 with NB = 2.
+//  * small_block_avx2 (16 ymm): MB = 1 with NB = 4 and MB = 2 with NB = 2 (accumulators
+//    and partial sums: 2 NB MB); MB = 3, 4 with NB = 2 (NB MB accumulators + NB scales +
+//    2 NB weights + x).
+enum class Blk { avx512, nib, avx2 };
+template <int MB, int NB, bool INT4, Blk B>
 void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, int64_t ldr,
                 int64_t n0) {
   int64_t rows[NB];
   for (int r = 0; r < NB; ++r) rows[r] = n + std::min(r, nb - 1);
   float out[NB * MB];
-  if constexpr (NIB)
+  if constexpr (B == Blk::nib)
     small_block_nib<MB, NB, INT4>(job, rows, m0, m0 == 0, out);
-  else
+  else if constexpr (B == Blk::avx512)
     small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
+  else
+    small_block_avx2<MB, NB, INT4>(job, rows, m0, out);
   for (int r = 0; r < nb; ++r)
     for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
+}
+// small_pass over the nb4 <= 4 weight rows from n, NB at a time.
+template <int MB, int NB, bool INT4, Blk B>
+void small_passes(const SmallJob& job, int64_t n, int nb4, int64_t m0, float* res, int64_t ldr,
+                  int64_t n0) {
+  for (int h = 0; h < nb4; h += NB)
+    small_pass<MB, NB, INT4, B>(job, n + h, std::min(NB, nb4 - h), m0, res, ldr, n0);
 }
 
 template <bool INT4>
@@ -659,15 +776,15 @@ void small_rows_nib(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
   for (int64_t n = n0; n < n1; n += 4) {
     const int nb4 = int(std::min<int64_t>(4, n1 - n));
     int64_t m0 = 0;
-    if constexpr (INT4)
-      if (job.m & 4) {
-        for (int64_t h = 0; h < nb4; h += 2)
-          small_pass<4, 2, INT4, true>(job, n + h, int(std::min<int64_t>(2, nb4 - h)), m0, res,
-                                       ldr, n0);
-        m0 += 4;
+    if constexpr (INT4) {
+      if (job.m & 4) { small_passes<4, 2, INT4, Blk::nib>(job, n, nb4, m0, res, ldr, n0); m0 += 4; }
+      if ((job.m & 3) == 3) {  // one pass, not 2 + 1 (see small_rows_fma)
+        small_passes<3, 2, INT4, Blk::nib>(job, n, nb4, m0, res, ldr, n0);
+        continue;
       }
-    if (job.m & 2) { small_pass<2, 4, INT4, true>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
-    if (job.m & 1) { small_pass<1, 4, INT4, true>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
+    }
+    if (job.m & 2) { small_pass<2, 4, INT4, Blk::nib>(job, n, nb4, m0, res, ldr, n0); m0 += 2; }
+    if (job.m & 1) { small_pass<1, 4, INT4, Blk::nib>(job, n, nb4, m0, res, ldr, n0); m0 += 1; }
   }
 }
 
@@ -858,26 +975,30 @@ void small_rows_tile(const SmallJob& job, int64_t n0, int64_t n1, float* res, in
     }
 }
 
-template <bool INT4>
-void small_rows_avx512(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
-  // Rows of x in chunks of 8, then at most one of 4 and one of 3, 2 or 1; each block of
-  // weight rows is read from memory by the first chunk and from L1 by the others. Every
-  // chunk dequantises the block again, so 3 rows are one chunk, not 2 + 1 (as 2 + 1, M = 3
-  // took 1.2x the time of M = 4 on the AMX host, bench/CPU_NOTES.md 23).
-  const int64_t m8 = job.m / 8 * 8;
-  const int64_t rest = job.m - m8;
+// The FMA blocks (B: avx512 or avx2) over weight rows n0 .. n1 and every row of x.
+template <bool INT4, Blk B>
+void small_rows_fma(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
+  // Rows of x in chunks of C, then (avx512) at most one of 4, and one of 3, 2 or 1; each
+  // block of weight rows is read from memory by the first chunk and from L1 by the others.
+  // Every chunk dequantises the block again, so 3 rows are one chunk, not 2 + 1 (as 2 + 1,
+  // M = 3 took 1.2x the time of M = 4 on the AMX host, bench/CPU_NOTES.md 23). On AVX2,
+  // chunks of 4 rows x 2 weight rows beat 8 x 1 (the 16 ymm fit either) by 10-30 % at
+  // M = 8 and 16 (bench/CPU_NOTES.md 25): half the loads of x per FMA.
+  constexpr bool Z = B == Blk::avx512;
+  constexpr int C = Z ? 8 : 4;
+  constexpr int NBS = Z ? 4 : 2;  // weight rows per block for 2 and 3 rows (see small_pass)
+  const int64_t mc = job.m / C * C;
+  const int64_t rest = job.m - mc;
   for (int64_t n = n0; n < n1; n += 4) {
     const int nb4 = int(std::min<int64_t>(4, n1 - n));
-    for (int64_t m0 = 0; m0 < m8; m0 += 8)
-      for (int64_t h = 0; h < nb4; h += 2)
-        small_pass<8, 2, INT4, false>(job, n + h, int(std::min<int64_t>(2, nb4 - h)), m0, res,
-                                      ldr, n0);
-    int64_t m0 = m8;
-    if (rest & 4) { small_pass<4, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); m0 += 4; }
+    for (int64_t m0 = 0; m0 < mc; m0 += C) small_passes<C, 2, INT4, B>(job, n, nb4, m0, res, ldr, n0);
+    int64_t m0 = mc;
+    if constexpr (Z)
+      if (rest & 4) { small_passes<4, 4, INT4, B>(job, n, nb4, m0, res, ldr, n0); m0 += 4; }
     switch (rest & 3) {
-      case 3: small_pass<3, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); break;
-      case 2: small_pass<2, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); break;
-      case 1: small_pass<1, 4, INT4, false>(job, n, nb4, m0, res, ldr, n0); break;
+      case 3: small_passes<3, NBS, INT4, B>(job, n, nb4, m0, res, ldr, n0); break;
+      case 2: small_passes<2, NBS, INT4, B>(job, n, nb4, m0, res, ldr, n0); break;
+      case 1: small_pass<1, 4, INT4, B>(job, n, nb4, m0, res, ldr, n0); break;
       default: break;
     }
   }
@@ -898,11 +1019,16 @@ void small_task_impl(const SmallJob& job, int64_t n0, int64_t n1) {
       small_rows_nib<true>(job, n0, n1, res, cols);
     else
       small_rows_nib<false>(job, n0, n1, res, cols);
-  } else if (job.vector_path) {
+  } else if (job.vec == Vec::avx512) {
     if (job.args->w.bits == 4)
-      small_rows_avx512<true>(job, n0, n1, res, cols);
+      small_rows_fma<true, Blk::avx512>(job, n0, n1, res, cols);
     else
-      small_rows_avx512<false>(job, n0, n1, res, cols);
+      small_rows_fma<false, Blk::avx512>(job, n0, n1, res, cols);
+  } else if (job.vec == Vec::avx2) {
+    if (job.args->w.bits == 4)
+      small_rows_fma<true, Blk::avx2>(job, n0, n1, res, cols);
+    else
+      small_rows_fma<false, Blk::avx2>(job, n0, n1, res, cols);
   } else if (active_isa() == Isa::avx2) {
     small_rows_rowwise<dot_avx2>(job, n0, n1, res, cols);
   } else
@@ -1041,9 +1167,14 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   job.k = K;
   job.ep.act = args.activation;
   job.ep.c = args.y;
-  const int64_t step = args.w.bits == 4 ? 32 : 16;
-  job.vector_path = active_isa() == Isa::avx512 &&
-                    (args.w.group_size == 0 || args.w.group_size % step == 0);
+  const Vec vec = active_isa() == Isa::avx512 ? Vec::avx512
+                  : active_isa() == Isa::avx2 ? Vec::avx2
+                                              : Vec::none;
+  // The k step of the FMA blocks, and for int4 the k of one nibble half of it.
+  const int64_t half = vec == Vec::avx512 ? 16 : 8;
+  const int64_t step = args.w.bits == 4 || vec == Vec::avx2 ? 2 * half : half;
+  if (args.w.group_size == 0 || args.w.group_size % step == 0) job.vec = vec;
+  const bool avx512 = job.vec == Vec::avx512;
   if (args.bias != nullptr) {
     float* b = scratch(3, size_t(N));
     convert_to_f32(args.bias, args.bias_stride, args.y.dtype, N, b);
@@ -1055,9 +1186,9 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   float* x = scratch(2, size_t(M * job.ldx));
   const int64_t es = int64_t(dtype_size(args.x.dtype));
   const char* xb = static_cast<const char*>(args.x.data);
-  const bool nib = job.vector_path && small_m_nib(args) && x_fits_nib(args.x);
-  const bool tile = job.vector_path && !nib && small_m_bf16(args) && !fma_first(args);
-  const bool permute = job.vector_path && args.w.bits == 4 && !nib && !tile;
+  const bool nib = avx512 && small_m_nib(args) && x_fits_nib(args.x);
+  const bool tile = avx512 && !nib && small_m_bf16(args) && !fma_first(args);
+  const bool permute = job.vec != Vec::none && args.w.bits == 4 && !nib && !tile;
   float* tmp = permute ? scratch(4, size_t(K)) : nullptr;
   for (int64_t m = 0; m < M; ++m) {
     float* xm = x + m * job.ldx;
@@ -1067,11 +1198,11 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
       continue;
     }
     convert_to_f32(src, args.x.col_stride, args.x.dtype, K, tmp);
-    const int64_t kvec = K / 32 * 32;
-    for (int64_t b = 0; b < kvec; b += 32)
-      for (int j = 0; j < 16; ++j) {
+    const int64_t kvec = K / step * step;
+    for (int64_t b = 0; b < kvec; b += step)
+      for (int64_t j = 0; j < half; ++j) {
         xm[b + j] = tmp[b + 2 * j];
-        xm[b + 16 + j] = tmp[b + 2 * j + 1];
+        xm[b + half + j] = tmp[b + 2 * j + 1];
       }
     for (int64_t k = kvec; k < K; ++k) xm[k] = tmp[k];
   }
