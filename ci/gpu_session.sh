@@ -5,7 +5,8 @@
 # (memcheck, racecheck, initcheck) over tests/gpu/sanitize_ops.py, and optionally the GPU
 # benchmark. Logs go to $OUT (the device tool brings them back); a summary is printed last.
 #   usage: bash ci/gpu_session.sh WHEEL [tests|sanitize|bench|all]...
-#   env: PG_PYTEST_EXTRA (extra pytest args), PG_BENCH_ARGS (e.g. --quick), PG_GPU_PYTHON
+#   env: PG_PYTEST_EXTRA (extra pytest args, split on spaces), PG_PYTEST_K (a -k expression,
+#        kept whole: "a or b"), PG_BENCH_ARGS (e.g. --quick), PG_GPU_PYTHON
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 WHEEL=$1; shift
@@ -31,8 +32,10 @@ if want tests; then
     # full suite under the machine's own target; the GPU-relevant files under forced targets
     files=(.)
     [ "$target" != default ] && files=(test_cuda.py test_gemm.py test_mixed_linear.py test_torch_integration.py test_bad_input.py)
+    kexpr=()
+    [ -n "${PG_PYTEST_K:-}" ] && kexpr=(-k "$PG_PYTEST_K")
     # shellcheck disable=SC2086  # PG_PYTEST_EXTRA: extra pytest arguments, word-split on purpose
-    (cd tests && env "${env[@]}" timeout 400 $PY -m pytest -q -p no:cacheprovider "${files[@]}" ${PG_PYTEST_EXTRA:-} > "$log" 2>&1)
+    (cd tests && env "${env[@]}" timeout 400 $PY -m pytest -q -p no:cacheprovider "${files[@]}" "${kexpr[@]}" ${PG_PYTEST_EXTRA:-} > "$log" 2>&1)
     note "pytest target=$target: $(tail -1 "$log")"
   done
 fi
