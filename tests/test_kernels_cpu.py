@@ -3,6 +3,7 @@ no torch in the process) against the installed wheel's headers and library, once
 instruction-set path the dispatcher can take on this CPU."""
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -43,6 +44,36 @@ def test_kernel_library_cpp(test_binary, isa):
         env["PORTABLE_GEMM_ISA"] = isa
     proc = subprocess.run([str(test_binary)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def kernel_sources_without_cuda() -> list[Path]:
+    """The kernel library's sources as src/kernels/CMakeLists.txt lists them for a build
+    without CUDA (its `set(sources ...)` block and the stub that stands in for CUDA)."""
+    cmake = (REPO / "src/kernels/CMakeLists.txt").read_text()
+    block = re.search(r"set\(sources\s+([^)]*)\)", cmake)
+    stub = re.search(r"list\(APPEND sources (cuda/unavailable\.cpp)\)", cmake)
+    assert block and stub, "src/kernels/CMakeLists.txt: no set(sources ...) / CUDA stub found"
+    return [REPO / "src/kernels" / f for f in block.group(1).split() + [stub.group(1)]]
+
+
+def test_kernel_library_without_x86_kernels(tmp_path):
+    # What a CPU other than x86 (the aarch64 wheels) compiles: the library without any x86
+    # kernel (PG_PORTABLE_ONLY), built here from the sources with warnings as errors and run
+    # through the same C++ test. The x86 builds never compile those paths that way: a
+    # constant defined only next to the AVX-512 code once broke it unnoticed.
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to build the C++ kernel test")
+    exe = tmp_path / "test_kernels_portable"
+    cmd = ["g++", "-O2", "-std=c++17", "-DPG_PORTABLE_ONLY", "-Wall", "-Wextra", "-Werror",
+           f"-I{REPO / 'include'}", f"-I{REPO / 'src/kernels'}",
+           *map(str, kernel_sources_without_cuda()), str(REPO / "tests/cpp/test_kernels_cpu.cpp"),
+           "-lpthread", "-o", str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.stdout.startswith("isa: generic"), proc.stdout[:200]
+    assert "all passed" in proc.stdout, proc.stdout[-500:]
 
 
 def test_cpu_isa_names_the_units_in_use():

@@ -10,7 +10,10 @@
 
 #include "portable_gemm/kernels.h"
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+// PG_PORTABLE_ONLY builds the library as for a CPU without the x86 kernels, which is what
+// an aarch64 build compiles (tests/test_kernels_cpu.py builds and runs it that way).
+#if !defined(PG_PORTABLE_ONLY) && (defined(__x86_64__) || defined(__i386__)) && \
+    (defined(__GNUC__) || defined(__clang__))
 // x86 kernels are compiled per function with target attributes, so that the library
 // itself stays baseline x86-64 and picks an ISA at run time.
 #define PG_X86 1

@@ -47,6 +47,7 @@ namespace {
 // ties at 32 (bench/CPU_NOTES.md, 15 and 19).
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kSmallMPairs = 16;
+constexpr int64_t kTileKc = 512;  // k per pass of small_rows_tile
 
 bool has_bf16_x_pairs(const MixedLinearArgs& a) {
   return a.x.dtype == DType::bf16 && has_bf16_pair_kernels();
@@ -804,7 +805,6 @@ void small_rows_nib(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
 // the 4 x MB vectors are reduced across lanes together (reduce16).
 // Tried (A/B in bench/CPU_NOTES.md): slicing K so that x stays in L1 for all blocks of
 // rows (x is read from L2 at 1/4 line per vdpbf16ps, which is not what bounds it).
-constexpr int64_t kTileKc = 512;
 // Lane i of the result: the sum of the 16 lanes of v[i].
 PG_TARGET_AVX512 inline __m512 reduce16(const __m512* v) {
   __m512 s1[8], s2[4], s3[2];
@@ -1065,12 +1065,7 @@ bool fma_first(const MixedLinearArgs& a) {
   return m < kAmxMinM && (a.w.bits == 8 || m > 1) && amx_supported();
 }
 bool small_m_nib(const MixedLinearArgs& a) {
-#if PG_X86
   return small_m_bf16(a) && a.x.rows <= nib_max_m(a.w) && !fma_first(a);
-#else
-  (void)a;
-  return false;
-#endif
 }
 
 // Every |x| < 2^100 (no inf or NaN either): the seeds cannot overflow, and x / 16 stays
@@ -1207,12 +1202,10 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
     for (int64_t k = kvec; k < K; ++k) xm[k] = tmp[k];
   }
   job.x = x;
-#if PG_X86
-  if (nib) {
+  if (nib)  // both need AVX512-BF16, so never on other CPUs
     prepare_nib(args, job);
-  } else
-#endif
-  if (tile) prepare_tile(args, job);
+  else if (tile)
+    prepare_tile(args, job);
   const int64_t threads = executor_threads(exec);
   // Threads get contiguous blocks of whole weight rows, at least 16 each, and only
   // when the weight is big enough to amortise waking them.
