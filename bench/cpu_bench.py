@@ -233,8 +233,11 @@ def markdown(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None
              f"start{probe_note(wo)}. Rows with M <= 16 alternate with a read-bandwidth probe for 3 rounds; their "
              "share of the read bandwidth is the median of the per-round shares.", "",
              "## Goals", "", *goals(meta, dense, wo, targets), "",
-             "## Dense gemm vs torch.matmul (ratio > 1: we are faster)", "",
-             "| dtype | size | ours ms | torch ms | ours GFLOP/s | ratio |", "|---|---|---|---|---|---|"]
+             "## Dense gemm vs torch.matmul (ratio > 1: we are faster)", ""]
+    if dense:
+        lines += ["| dtype | size | ours ms | torch ms | ours GFLOP/s | ratio |", "|---|---|---|---|---|---|"]
+    else:
+        lines.append("Not measured in this run (`--skip-dense`).")
     for r in dense:
         lines.append(f"| {r['dtype']} | {r['size']} | {r['ours_ms']:.2f} | {r['torch_ms']:.2f} | "
                      f"{r['ours_GFLOPs']:.1f} | {r['ratio']:.2f} |")
