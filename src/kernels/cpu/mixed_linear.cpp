@@ -569,11 +569,13 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
 // group, and lo and hi go into separate partial sums: with one chain per weight row and row
 // of x, the FMA latency bounds a step (int8 M = 2 ran at 20 GB/s on the AVX2 EPYC of
 // bench/CPU_NOTES.md 25, M = 1 at 37). With more rows the scale goes on the weights (one
-// multiply per 8 shared by MB FMAs), as the accumulators need the registers.
-template <int MB, int NB, bool INT4>
+// multiply per 8 shared by MB FMAs), as the accumulators need the registers; per channel
+// (CHAN) it goes on the results instead.
+template <int MB, int NB, bool INT4, bool CHAN>
 PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, int64_t m0,
                                      float* out /* [NB][MB] */) {
   constexpr bool FOLD = MB <= 2;
+  static_assert(!(FOLD && CHAN), "FOLD scales once per group already");
   constexpr int64_t step = 16;
   const FmaRows<NB> f(job, rows, m0, step);
   const QuantizedWeight& w = f.w;
@@ -610,7 +612,7 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
           hi[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[r] + k + 8))));
         }
-        if constexpr (!FOLD) {
+        if constexpr (!FOLD && !CHAN) {
           lo[r] = _mm256_mul_ps(lo[r], s[r]);
           hi[r] = _mm256_mul_ps(hi[r], s[r]);
         }
@@ -635,7 +637,8 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
           acc[r][m] = _mm256_fmadd_ps(_mm256_add_ps(plo[r][m], phi[r][m]), s[r], acc[r][m]);
   }
   PG_UNROLL for (int r = 0; r < NB; ++r)
-    PG_UNROLL for (int m = 0; m < MB; ++m) out[r * MB + m] = hsum_avx2(acc[r][m]);
+    PG_UNROLL for (int m = 0; m < MB; ++m)
+      out[r * MB + m] = hsum_avx2(acc[r][m]) * (CHAN ? scale_at(w, rows[r], 0) : 1.f);
   f.template add_tail<MB>(rows, INT4, out);
 }
 
@@ -760,7 +763,14 @@ void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, 
   else if constexpr (B == Blk::avx512)
     small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
   else
-    small_block_avx2<MB, NB, INT4>(job, rows, m0, out);
+    if constexpr (MB > 2) {
+      if (job.args->w.group_size == 0)
+        small_block_avx2<MB, NB, INT4, true>(job, rows, m0, out);
+      else
+        small_block_avx2<MB, NB, INT4, false>(job, rows, m0, out);
+    } else {
+      small_block_avx2<MB, NB, INT4, false>(job, rows, m0, out);
+    }
   for (int r = 0; r < nb; ++r)
     for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
 }
