@@ -482,11 +482,13 @@ PG_TARGET_AVX512 inline __m512 nibble_table() {
 //  * int8: sign-extend, convert, FMA. With few rows of x (FOLD) the scale is applied once
 //    per group to a partial sum instead of once per 16 weights; with more rows the
 //    multiply is shared by MB FMAs and the registers are needed for accumulators.
+// Per channel (CHAN, int8 with more rows) the scale goes on the results instead.
 // The scalar tail only exists per-channel (group sizes are multiples of step here).
-template <int MB, int NB, bool INT4>
+template <int MB, int NB, bool INT4, bool CHAN>
 PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* rows, int64_t m0,
                                          float* out /* [NB][MB] */) {
   constexpr bool FOLD = !INT4 && MB <= 2;
+  static_assert(!CHAN || (!INT4 && !FOLD), "only int8 without FOLD scales every weight");
   constexpr int64_t step = INT4 ? 32 : 16;
   const FmaRows<NB> f(job, rows, m0, step);
   const QuantizedWeight& w = f.w;
@@ -537,7 +539,7 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
         PG_UNROLL for (int r = 0; r < NB; ++r) {
           wf[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + k))));
-          if constexpr (!FOLD) wf[r] = _mm512_mul_ps(wf[r], s[r]);
+          if constexpr (!FOLD && !CHAN) wf[r] = _mm512_mul_ps(wf[r], s[r]);
         }
         PG_UNROLL for (int m = 0; m < MB; ++m) {
           const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
@@ -557,7 +559,8 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
   // Fully unrolled like every access to acc: one non-constant index would force the
   // whole array into memory, with a store per FMA in the loop above.
   PG_UNROLL for (int r = 0; r < NB; ++r)
-    PG_UNROLL for (int m = 0; m < MB; ++m) out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
+    PG_UNROLL for (int m = 0; m < MB; ++m)
+      out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]) * (CHAN ? scale_at(w, rows[r], 0) : 1.f);
   f.template add_tail<MB>(rows, INT4, out);
 }
 
@@ -570,7 +573,7 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
 // of x, the FMA latency bounds a step (int8 M = 2 ran at 20 GB/s on the AVX2 EPYC of
 // bench/CPU_NOTES.md 25, M = 1 at 37). With more rows the scale goes on the weights (one
 // multiply per 8 shared by MB FMAs), as the accumulators need the registers; per channel
-// (CHAN) it goes on the results instead.
+// (CHAN) it goes on the results instead (see small_pass).
 template <int MB, int NB, bool INT4, bool CHAN>
 PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, int64_t m0,
                                      float* out /* [NB][MB] */) {
@@ -758,19 +761,23 @@ void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, 
   int64_t rows[NB];
   for (int r = 0; r < NB; ++r) rows[r] = n + std::min(r, nb - 1);
   float out[NB * MB];
-  if constexpr (B == Blk::nib)
+  // The FMA blocks that scale every weight vector (more than 2 rows of x; on AVX-512 int8
+  // only, as int4's lookup table holds the scale) take a per-channel scale on the results.
+  constexpr bool scales_weights = MB > 2 && (B == Blk::avx2 || (B == Blk::avx512 && !INT4));
+  const bool chan = scales_weights && job.args->w.group_size == 0;
+  if constexpr (B == Blk::nib) {
     small_block_nib<MB, NB, INT4>(job, rows, m0, m0 == 0, out);
-  else if constexpr (B == Blk::avx512)
-    small_block_avx512<MB, NB, INT4>(job, rows, m0, out);
-  else
-    if constexpr (MB > 2) {
-      if (job.args->w.group_size == 0)
-        small_block_avx2<MB, NB, INT4, true>(job, rows, m0, out);
-      else
-        small_block_avx2<MB, NB, INT4, false>(job, rows, m0, out);
-    } else {
+  } else if constexpr (B == Blk::avx512) {
+    if (chan)
+      small_block_avx512<MB, NB, INT4, scales_weights>(job, rows, m0, out);
+    else
+      small_block_avx512<MB, NB, INT4, false>(job, rows, m0, out);
+  } else {
+    if (chan)
+      small_block_avx2<MB, NB, INT4, scales_weights>(job, rows, m0, out);
+    else
       small_block_avx2<MB, NB, INT4, false>(job, rows, m0, out);
-    }
+  }
   for (int r = 0; r < nb; ++r)
     for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
 }
