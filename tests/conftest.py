@@ -35,8 +35,9 @@ LARGE_K = [(16, 8192, 64)]
 # kc blocks and odd, N over one column block (1024 bf16 / 512 fp32) per task.
 # The second: a single row block, so A's panels are packed for the first column block and
 # kept for the others. The third: the same with K % 32 == 0, which bf16 runs on the AMX
-# kernel where the CPU has one (4 kc blocks of 416 / 352, a 13-row last sliver).
-BLOCK_EDGES = [(2053, 1601, 2100), (45, 1601, 2100), (45, 1600, 2100)]
+# kernel where the CPU has one (4 kc blocks of 416 / 352, a 13-row last sliver). The fourth:
+# K over the AMX kernel's kc of 512 but within 1024, which it takes as one block.
+BLOCK_EDGES = [(2053, 1601, 2100), (45, 1601, 2100), (45, 1600, 2100), (45, 992, 2100)]
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -2,7 +2,7 @@
 # torch.matmul, 2 threads, best of 3 alternating rounds; then mixed_linear int4 g128 / int8 vs
 # torch's weight-only kernels and bf16 F.linear at M = 1, 16, 64, 256. One line per case.
 # usage: python bench/probes/cpu_amx_probe.py TAG   (PGX_SKIP_WO=1: dense only; PGX_SKIP_DENSE=1;
-#        PGX_MS=1,16: the M of the weight-only part; PGX_THREADS)
+#        PGX_MS=1,16: the M of the weight-only part; PGX_NS=1024,2048: the dense sizes; PGX_THREADS)
 import os, sys, time
 import torch, torch.nn.functional as F
 import portable_gemm as pg
@@ -19,7 +19,7 @@ def rounds(fs, r=3):
     for _ in range(r):
         for k, f in fs.items(): res[k].append(t(f))
     return {k: min(v) for k, v in res.items()}
-for n in () if os.environ.get("PGX_SKIP_DENSE") else (256, 512, 1024, 2048, 4096):
+for n in () if os.environ.get("PGX_SKIP_DENSE") else [int(v) for v in os.environ.get("PGX_NS", "256,512,1024,2048,4096").split(",")]:
     a = torch.randn(n, n, dtype=torch.bfloat16); b = torch.randn(n, n, dtype=torch.bfloat16)
     r = rounds({"ours": lambda: pg.gemm(a, b), "torch": lambda: torch.matmul(a, b)})
     fl = 2 * n ** 3

@@ -199,6 +199,20 @@ bool amx_supported();
 // on / released from the calling thread.
 void amx_begin();
 void amx_end();
+// amx_begin() for the scope (when `on`), amx_end() on the way out, exceptions included: a
+// task that throws (bad_alloc from a scratch buffer) must not leave its thread holding the
+// tile state.
+struct AmxScope {
+  bool on;
+  explicit AmxScope(bool on_) : on(on_) {
+    if (on) amx_begin();
+  }
+  ~AmxScope() {
+    if (on) amx_end();
+  }
+  AmxScope(const AmxScope&) = delete;
+  AmxScope& operator=(const AmxScope&) = delete;
+};
 
 // ---- dense GEMM driver (gemm.cpp) -------------------------------------------------------
 

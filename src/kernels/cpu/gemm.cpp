@@ -18,8 +18,9 @@
 // on CPUs with AVX512-BF16 packs bf16 pairs instead of fp32 and uses vdpbf16ps (twice
 // the FLOPs per instruction); with AMX-BF16 too, and K a multiple of 32, the same B pair
 // panels feed the tile unit (kern_amx, a 32 x 32 block of C in four tiles) and A is packed
-// as plain bf16 rows. With M <= 8 none of this pays off (each B element feeds a handful
-// of FMAs): B is then streamed row by row instead of packed (stream_gemm).
+// as the tiles it loads (pack_a_tiles_bf16). With M <= 8 none of this pays off (each B
+// element feeds a handful of FMAs): B is then streamed row by row instead of packed
+// (stream_gemm).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -453,9 +454,11 @@ struct KernelSet {
   // bf16 pair kernels: panels hold bf16 pairs (k, k + 1) in 32-bit units instead of fp32,
   // and a micro-kernel's kc counts pairs. Sliver offsets in 32-bit units are unchanged.
   bool bf16_pairs = false;
-  // AMX kernels (bf16_pairs too): A is packed as rows of bf16 (pack_a_rows_bf16), kc blocks
-  // are multiples of 32 k, and each task loads the tile configuration.
+  // AMX kernels (bf16_pairs too): A is packed as tiles (pack_a_tiles_bf16), kc blocks are
+  // multiples of 32 k, and each task loads the tile configuration.
   bool amx = false;
+  // K up to this runs as one block even where it exceeds kc (0: never).
+  int64_t kc_whole = 0;
 };
 
 #if defined(__aarch64__)
@@ -589,15 +592,14 @@ PG_TARGET_AVX512_BF16 void kern_avx512_bf16(int64_t kp, const float* a, const fl
 
 // bf16 x bf16 on the AMX tile unit: a 32 x 32 block of C (MT = 2) or its first 16 rows
 // (MT = 1) in tiles 0-3, fp32, for kp pairs of k (a multiple of 16). Per 32 k, tiles 4-5
-// take 16 rows of A each (bf16 rows, 2 kp elements apart, from pack_a_rows_bf16) and tiles
+// take 16 rows of A each (1 KB each, contiguous, from pack_a_tiles_bf16) and tiles
 // 6-7 16 pair rows of the B sliver's two 16-column halves (the pair panel is already the
 // VNNI layout the unit reads), for 2 MT tdpbf16ps. Like vdpbf16ps, it flushes bf16
 // denormals to zero. The tile configuration is the caller's (amx_begin).
 template <int MT>
 PG_TARGET_AMX void kern_amx(int64_t kp, const float* a, const float* b, int64_t ldb,
                             const float* in, int64_t ldin, float* out, int64_t ldout) {
-  const int64_t lda = 4 * kp;  // bytes per row of A
-  const char* ab = reinterpret_cast<const char*>(a);
+  const char* ab = reinterpret_cast<const char*>(a);  // 2 KB per 32 k: rows 0-15, 16-31
   if (in) {
     _tile_loadd(0, in, ldin * 4);
     _tile_loadd(1, in + 16, ldin * 4);
@@ -614,13 +616,13 @@ PG_TARGET_AMX void kern_amx(int64_t kp, const float* a, const float* b, int64_t 
     }
   }
   for (int64_t p = 0; p < kp; p += 16) {
-    _tile_loadd(4, ab + 4 * p, lda);
+    _tile_loadd(4, ab + 128 * p, 64);
     _tile_loadd(6, b + p * ldb, ldb * 4);
     _tile_loadd(7, b + p * ldb + 16, ldb * 4);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (MT == 2) {
-      _tile_loadd(5, ab + 16 * lda + 4 * p, lda);
+      _tile_loadd(5, ab + 128 * p + 1024, 64);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -678,7 +680,10 @@ const KernelSet* bf16_kernel_set() {
 // The AMX kernels, or null when amx_supported() is false. Blocks: kc 512 (an A sliver of
 // 32 rows is 32 KB, a B sliver 32 KB), B blocks of 256 pairs x 1024 columns (1 MB, in L2),
 // row blocks of 2048. On the 2-thread AMX host of bench/CPU_NOTES.md 21, kc 256 and 1024
-// and nc 512 were no better within that machine's noise.
+// and nc 512 were no better within that machine's noise at every size. K up to 1024 runs
+// as one block: two blocks of 512 put the fp32 partial sums through memory (2 MB a task
+// at 1024^3), and with A packed as tiles 1024^3 went from 0.82-0.85x torch to 0.99x
+// (bench/CPU_NOTES.md 26).
 const KernelSet* amx_kernel_set() {
   static const KernelSet* set = []() -> const KernelSet* {
 #if PG_X86
@@ -687,6 +692,7 @@ const KernelSet* amx_kernel_set() {
     s.mr = 32;
     s.nr = kAvx512NR;
     s.kc = 512;
+    s.kc_whole = 1024;
     s.nc = 1024;
     s.mch = 2048;
     s.bf16_pairs = true;
@@ -863,24 +869,26 @@ void pack_a_pairs(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int6
   }
 }
 
-// A(i0 .. i0+mc, k0 .. k0+kc) for the AMX kernels: slivers of mr rows of kc bf16 each (row
-// i of sliver s at dst + (s * mr + i) * kc bf16), rows past mc zero.
-void pack_a_rows_bf16(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int64_t kc, int mr,
-                      float* dst_f) {
+// A(i0 .. i0+mc, k0 .. k0+kc) for the AMX kernels (kc a multiple of 32): slivers of mr rows
+// (sliver s at dst + s * mr * kc bf16), each a run of the tiles kern_amx loads: per 32 k, the
+// 64 bytes of each of the mr rows in turn, so that a tile load reads 1 KB in one piece
+// instead of 16 rows a whole row of A apart. Rows past mc zero.
+void pack_a_tiles_bf16(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int64_t kc,
+                       int mr, float* dst_f) {
   uint16_t* dst = reinterpret_cast<uint16_t*>(dst_f);
   const uint16_t* base = static_cast<const uint16_t*>(a.data);
-  const int64_t rows = round_up_to(mc, mr);
+  const int64_t rows = round_up_to(mc, mr), nb = kc / 32;
   for (int64_t i = 0; i < rows; ++i) {
-    uint16_t* d = dst + i * kc;
-    if (i >= mc) {
-      std::memset(d, 0, size_t(kc) * 2);
-      continue;
-    }
-    const uint16_t* src = base + (i0 + i) * a.row_stride + k0 * a.col_stride;
-    if (a.col_stride == 1) {
-      std::memcpy(d, src, size_t(kc) * 2);
-    } else {
-      for (int64_t k = 0; k < kc; ++k) d[k] = src[k * a.col_stride];
+    uint16_t* d = dst + (i / mr) * mr * kc + (i % mr) * 32;
+    const uint16_t* src = i < mc ? base + (i0 + i) * a.row_stride + k0 * a.col_stride : nullptr;
+    for (int64_t b = 0; b < nb; ++b, d += mr * 32) {
+      if (src == nullptr) {
+        std::memset(d, 0, 64);
+      } else if (a.col_stride == 1) {
+        std::memcpy(d, src + b * 32, 64);
+      } else {
+        for (int64_t k = 0; k < 32; ++k) d[k] = src[(b * 32 + k) * a.col_stride];
+      }
     }
   }
 }
@@ -990,7 +998,7 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   const int mr = ks.mr, nr = ks.nr;
   const int64_t K = p.k;
   // Even kc blocks: a K of 400 becomes 2 x 200, not 384 + 16.
-  const int64_t npc = (K + ks.kc - 1) / ks.kc;
+  const int64_t npc = K <= ks.kc_whole ? 1 : (K + ks.kc - 1) / ks.kc;
   const int64_t kcb = round_up((K + npc - 1) / npc, ks.amx ? 32 : 4);  // AMX: K % 32 == 0
   const int64_t ncb = std::min(ks.nc, round_up(n_hi - n_lo, nr));
   const int64_t mchb = std::min(ks.mch, round_up(m_hi - m_lo, mr));
@@ -1021,7 +1029,7 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
         const bool pack_a_now = !keep_a || jc == n_lo;
         if (pairs) {
           p.pack_b_pairs(p.b_ctx, pc, kc, jc, nc, nr, bp);
-          if (pack_a_now && ks.amx) pack_a_rows_bf16(p.a, mo, mch, pc, kc, mr, ap);
+          if (pack_a_now && ks.amx) pack_a_tiles_bf16(p.a, mo, mch, pc, kc, mr, ap);
           else if (pack_a_now) pack_a_pairs(p.a, mo, mch, pc, kc, mr, ap);
         } else {
           p.pack_b(p.b_ctx, pc, kc, jc, nc, nr, bp);
@@ -1190,9 +1198,8 @@ void dense_task_impl(const DenseJob& job, int64_t begin, int64_t end) {
 void dense_task(void* ctx, int64_t begin, int64_t end) {
   const DenseJob& job = *static_cast<const DenseJob*>(ctx);
   guarded(job.failed, [&] {
-    if (job.ks->amx) amx_begin();
+    const AmxScope amx(job.ks->amx);
     dense_task_impl(job, begin, end);
-    if (job.ks->amx) amx_end();
   });
 }
 

@@ -1369,14 +1369,15 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
 void amx_task(void* ctx, int64_t n0, int64_t n1) {
   const AmxJob& job = *static_cast<const AmxJob*>(ctx);
   guarded(job.failed, [&] {
-    amx_begin();
     const int64_t cols = n1 - n0;
     float* res = scratch(0, size_t(job.m * cols));
-    if (job.mpad > 16)
-      amx_rows<2>(job, n0, n1, res, cols);
-    else
-      amx_rows<1>(job, n0, n1, res, cols);
-    amx_end();
+    {
+      const AmxScope amx(true);
+      if (job.mpad > 16)
+        amx_rows<2>(job, n0, n1, res, cols);
+      else
+        amx_rows<1>(job, n0, n1, res, cols);
+    }
     job.ep.store(res, cols, 0, job.m, n0, cols);
   });
 }
