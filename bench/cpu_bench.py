@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -393,7 +394,6 @@ def compare_targets(other: str, threads: int, rounds: int = 7) -> dict:
     interpreter (the target is chosen at import), alternating for `rounds` rounds in this
     run; the ratio per case is the median over rounds of other / default (a noisy
     neighbour then hits both sides of a round alike)."""
-    import os
     raw: dict[str, list] = {"default": [], "other": []}
     for r in range(rounds):
         for label, env_target in (("default", None), ("other", other)):
@@ -455,11 +455,14 @@ def main() -> int:
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # PG_COMMIT names the commit where the tree has no .git (a copy on another machine).
+    commit = os.environ.get("PG_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                          text=True, cwd=Path(__file__).parent).stdout.strip()
     except OSError:
-        commit = "unknown"
+        pass
+    commit = commit or "unknown"
     info = pg.info()
     bw = read_bandwidth()
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,

@@ -332,6 +332,36 @@ sys.exit(0)
 """
 
 
+# Target 2.9 runs CPU ops on the library's own pool, sized after torch.get_num_threads():
+# the native threads of the process show it. Inputs are made first (torch's own pool stays
+# out of it: torch runs at one thread and nothing of it in parallel between the counts).
+POOL_SIZE = r"""
+import os, torch, portable_gemm as pg
+assert pg.info()["target"] == "2.9", pg.info()["target"]
+assert pg.info()["features"]["threading"] == "portable_gemm_pool"
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+torch.set_num_threads(1)
+a, b, w = torch.randn(512, 512), torch.randn(512, 512), torch.randn(512, 512)
+ref = torch.mm(a.double(), b.double()).float()
+x = torch.randn(64, 512)
+base = tasks()  # no call into portable_gemm yet: no pool
+def calls():
+    q, s = pg.quantize_weight(w, bits=8)
+    pg.mixed_linear(x, q, s, bits=8)
+    return pg.gemm(a, b)
+sizes, outs = [], []
+for n in (1, 3, 1, 3, 2):
+    torch.set_num_threads(n)
+    outs.append(calls())
+    sizes.append(tasks() - base)
+torch.set_num_threads(1)  # torch's own ops from here on (they may start threads of their own)
+for y in outs:
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-3)
+print("WORKERS", sizes, flush=True)
+"""
+
+
 def _spawn(code, env=None, args=()):
     full = dict(os.environ)
     full.pop("PORTABLE_GEMM_TARGET", None)
@@ -348,6 +378,8 @@ def procs():
         "shutdown_default": _spawn(SHUTDOWN),
         "late_door": _spawn(LATE_RETURN, args=["door"]),
         "late_torch": _spawn(LATE_RETURN, args=["torch"]),
+        "pool_size": _spawn(POOL_SIZE, {"PORTABLE_GEMM_TARGET": "2.9"}),
+        "pool_size_env": _spawn(POOL_SIZE, {"PORTABLE_GEMM_TARGET": "2.9", "PORTABLE_GEMM_NUM_THREADS": "2"}),
     }
     yield started
     for p in started.values():
@@ -371,6 +403,22 @@ def test_builtin_pool_threads_and_fork(procs):
     rc, out, err = _wait(procs["fork_2.9"], "fork_2.9")
     assert rc == 0, f"exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
     assert "FORK-OK portable_gemm_pool" in out, out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+@pytest.mark.parametrize("which, expected", [
+    # Workers (threads beyond the caller's) after calls at torch.set_num_threads(1, 3, 1, 3, 2):
+    # a pool per size, built once and kept (its workers asleep) when the size changes.
+    ("pool_size", [0, 2, 2, 2, 3]),
+    # PORTABLE_GEMM_NUM_THREADS=2 fixes the size: one worker, whatever torch says.
+    ("pool_size_env", [1, 1, 1, 1, 1]),
+])
+def test_builtin_pool_follows_torch_threads(procs, which, expected):
+    rc, out, err = _wait(procs[which], which)
+    assert rc == 0, f"{which}: exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
+    line = next((ln for ln in out.splitlines() if ln.startswith("WORKERS")), None)
+    assert line is not None, out
+    assert line == f"WORKERS {expected}", line
 
 
 @pytest.mark.parametrize("which", ["shutdown_2.9", "shutdown_default"])

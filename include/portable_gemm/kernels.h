@@ -65,8 +65,9 @@ struct Executor {
   const char* name = "";
 };
 
-// The library's own pool (threads = hardware concurrency, or PORTABLE_GEMM_NUM_THREADS).
-// Safe across fork() (the child re-creates its pool lazily) and at interpreter shutdown.
+// The library's own pool (threads = PORTABLE_GEMM_NUM_THREADS, else the last size passed to
+// portable_gemm_set_pool_threads, else the hardware concurrency). Safe across fork() (the
+// child re-creates its pool lazily) and at interpreter shutdown.
 PG_API const Executor& builtin_executor();
 
 // ---- dense GEMM -------------------------------------------------------------------
@@ -185,3 +186,9 @@ PG_API Status set_device(int32_t device, int32_t* previous);
 }  // namespace cuda
 
 }  // namespace portable_gemm
+
+// Sizes the library's own pool from now on: n threads (n >= 1; n < 1 changes nothing).
+// Returns the size in use, which PORTABLE_GEMM_NUM_THREADS overrides where set. For callers
+// whose torch has no stable parallel_for to lend (target 2.9): the Python package passes
+// torch.get_num_threads(), so that torch.set_num_threads applies on every target.
+extern "C" PG_API int portable_gemm_set_pool_threads(int n);

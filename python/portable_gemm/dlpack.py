@@ -3,7 +3,9 @@ torch arrays on CUDA (anything with ``__dlpack__``, or the buffer protocol), wit
 importing torch.
 
 Same kernel library and validation as the torch ops. On the CPU, threads come from the kernel
-library's own pool (``PORTABLE_GEMM_NUM_THREADS`` sets its size). On CUDA, the work is
+library's own pool (``PORTABLE_GEMM_NUM_THREADS`` sets its size, else the hardware
+concurrency, or torch's thread count where portable_gemm's torch ops on target 2.9 share
+the process). On CUDA, the work is
 enqueued on ``stream`` (a cudaStream_t as an int; default 0 = the legacy default stream) on
 the inputs' device and the call returns without synchronising: pass your framework's current
 stream (``torch.cuda.current_stream().cuda_stream``, ``cupy.cuda.get_current_stream().ptr``)

@@ -3,6 +3,7 @@ torch.compile / FakeTensor, and autograd built from the library's own ops."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -64,6 +65,36 @@ _GEMM_DIRECT = _direct("gemm")
 _MIXED_LINEAR_DIRECT = _direct("mixed_linear")
 
 
+def _pool_follower():
+    """Target 2.9 has no stable parallel_for: its CPU ops run on the kernel library's own
+    pool. This sizes that pool after torch.get_num_threads() now and returns a check that the
+    wrappers run on each call (a new size when torch's changed), so torch.set_num_threads
+    applies on every target. PORTABLE_GEMM_NUM_THREADS, where set, fixes the size instead.
+    None on targets that run on torch's pool."""
+    state = _load()
+    if state.features.get("threading") != "portable_gemm_pool":
+        return None
+    set_size = ctypes.CDLL(state.libraries["kernels"]).portable_gemm_set_pool_threads
+    set_size.argtypes = [ctypes.c_int]
+    set_size.restype = ctypes.c_int
+    get = torch.get_num_threads
+    last = [0]
+
+    def follow() -> None:
+        if _is_compiling():  # traced code has no business with it (and would graph-break)
+            return
+        n = get()
+        if n != last[0]:
+            last[0] = n
+            set_size(n)
+
+    follow()
+    return follow
+
+
+_FOLLOW_THREADS = _pool_follower()
+
+
 def _activation_code(activation: str) -> int:
     try:
         return ACTIVATIONS[activation]
@@ -85,6 +116,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
     """act(a @ b + bias): a [..., K], b [K, N] (fp32/fp16/bf16, one dtype, any strides,
     CPU or CUDA), bias [N]; accumulates in fp32; returns [..., N] in a's dtype."""
     act = _activation_code(activation)
+    if _FOLLOW_THREADS is not None:
+        _FOLLOW_THREADS()
     if _needs_autograd(a, b, bias):
         return _ops().gemm(a, b, bias, act)
     with _below_autograd():
@@ -99,6 +132,8 @@ def quantize_weight(weight: torch.Tensor, *, bits: int,
     nibble = even k). scale = absmax / (2^(bits-1) - 1) per output channel (group_size=None,
     scales [N]) or per group of group_size along K (scales [N, K/group_size]), in weight's dtype.
     """
+    if _FOLLOW_THREADS is not None:
+        _FOLLOW_THREADS()
     return _ops().quantize_weight(weight, bits, _group_code(group_size))
 
 
@@ -108,6 +143,8 @@ def mixed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
     """Weight-only quantised linear: act(x @ dequant(qweight).T + bias), x [..., K]
     (fp16/bf16, and fp32), qweight/scales from quantize_weight; returns [..., N] in x's dtype."""
     group, act = _group_code(group_size), _activation_code(activation)
+    if _FOLLOW_THREADS is not None:
+        _FOLLOW_THREADS()
     if _needs_autograd(x, bias):
         return _ops().mixed_linear(x, qweight, scales, bits, group, bias, act)
     with _below_autograd():

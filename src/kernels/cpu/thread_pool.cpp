@@ -17,6 +17,11 @@
 //    to run again (longer on a VM, whose idle vCPU has halted), which is the whole budget of
 //    a small call. After each job, workers (and the caller waiting for them) spin for a
 //    short while (kSpin) before blocking, as OpenMP runtimes do.
+//  * size: PORTABLE_GEMM_NUM_THREADS, else what portable_gemm_set_pool_threads asked for
+//    (the Python package passes torch.get_num_threads() on torch targets without a stable
+//    parallel_for), else the hardware concurrency. A pool's size is fixed, so a new size
+//    switches to a pool of that size; the others stay (one per size ever asked for, their
+//    workers asleep), since a call may still be running on them.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -66,14 +71,26 @@ bool spin_until(Ready ready) {
   }
 }
 
-int configured_threads() {
+constexpr int kMaxThreads = 1024;
+
+// PORTABLE_GEMM_NUM_THREADS, or 0 when unset or malformed.
+int env_threads() {
   if (const char* env = std::getenv("PORTABLE_GEMM_NUM_THREADS")) {
     char* end = nullptr;
     long v = std::strtol(env, &end, 10);
-    if (end != env && v >= 1) return v > 1024 ? 1024 : static_cast<int>(v);
+    if (end != env && v >= 1) return v > kMaxThreads ? kMaxThreads : static_cast<int>(v);
   }
+  return 0;
+}
+
+// The size asked for through portable_gemm_set_pool_threads (0: none yet).
+std::atomic<int> g_requested{0};
+
+int configured_threads() {
+  if (const int env = env_threads()) return env;
+  if (const int req = g_requested.load(std::memory_order_relaxed)) return req;
   unsigned hc = std::thread::hardware_concurrency();
-  return hc == 0 ? 1 : static_cast<int>(hc);
+  return hc == 0 ? 1 : static_cast<int>(hc > unsigned(kMaxThreads) ? kMaxThreads : hc);
 }
 
 class Pool {
@@ -170,8 +187,15 @@ class Pool {
   std::atomic<int64_t> next_{0};
 };
 
-std::atomic<Pool*> g_pool{nullptr};
+std::atomic<Pool*> g_pool{nullptr};  // the pool in use
 std::mutex g_create_mu;
+Pool* g_by_size[kMaxThreads + 1] = {};  // every pool built, by size (under g_create_mu)
+
+// The pool of n threads, built on first use. Caller holds g_create_mu.
+Pool* pool_of_size(int n) {
+  if (g_by_size[n] == nullptr) g_by_size[n] = new Pool(n);  // intentionally leaked
+  return g_by_size[n];
+}
 
 #if !defined(_WIN32)
 // Holding g_create_mu across fork() keeps the child from inheriting it locked by a
@@ -179,7 +203,8 @@ std::mutex g_create_mu;
 void atfork_prepare() { g_create_mu.lock(); }
 void atfork_parent() { g_create_mu.unlock(); }
 void atfork_child() {
-  g_pool.store(nullptr, std::memory_order_relaxed);  // leak the parent's pool
+  g_pool.store(nullptr, std::memory_order_relaxed);  // leak the parent's pools
+  for (Pool*& p : g_by_size) p = nullptr;
   t_inside_pool = false;
   g_create_mu.unlock();
 }
@@ -198,7 +223,7 @@ Pool& pool() {
     }();
     (void)registered;
 #endif
-    p = new Pool(configured_threads());  // intentionally leaked, see top of file
+    p = pool_of_size(configured_threads());  // leaked, see top of file
     g_pool.store(p, std::memory_order_release);
   }
   return *p;
@@ -212,6 +237,15 @@ void pool_parallel_for(void*, int64_t begin, int64_t end, int64_t grain, Executo
 int pool_num_threads(void*) { return pool().num_threads(); }
 
 }  // namespace
+
+extern "C" PG_API int portable_gemm_set_pool_threads(int n) {
+  std::lock_guard<std::mutex> lk(g_create_mu);
+  if (n >= 1) g_requested.store(n > kMaxThreads ? kMaxThreads : n, std::memory_order_relaxed);
+  const int size = configured_threads();
+  Pool* p = g_pool.load(std::memory_order_acquire);
+  if (p != nullptr && p->num_threads() != size) g_pool.store(pool_of_size(size), std::memory_order_release);
+  return size;
+}
 
 const Executor& builtin_executor() {
   static const Executor exec = [] {
