@@ -38,11 +38,17 @@ def met(cells: list[str]) -> bool:
     return cells[2] == "yes"
 
 
-def test_cpu_table_is_rendered_from_its_json(benches):
+# The committed CPU runs: the main table (Zen 4 VM), the AMX host's full run, the AVX2 quick run.
+CPU_RUNS = ["cpu_bench", "cpu_bench_amx", "cpu_bench_avx2"]
+CPU_FULL_RUNS = ["cpu_bench", "cpu_bench_amx"]
+
+
+@pytest.mark.parametrize("run", CPU_RUNS)
+def test_cpu_table_is_rendered_from_its_json(benches, run):
     cpu_bench, _ = benches
-    d = json.loads((RESULTS / "cpu_bench.json").read_text())
+    d = json.loads((RESULTS / f"{run}.json").read_text())
     md = cpu_bench.markdown(d["meta"], d["dense"], d["weight_only"], d.get("targets"))
-    assert md == (RESULTS / "cpu_bench.md").read_text()
+    assert md == (RESULTS / f"{run}.md").read_text()
 
 
 def share(r: dict) -> float:
@@ -52,9 +58,10 @@ def share(r: dict) -> float:
                              for t, p in zip(r["ours_ms_rounds"], r["read_GBps_rounds"]))
 
 
-def test_cpu_goals_follow_the_numbers(benches):
+@pytest.mark.parametrize("run", CPU_FULL_RUNS)
+def test_cpu_goals_follow_the_numbers(benches, run):
     cpu_bench, _ = benches
-    d = json.loads((RESULTS / "cpu_bench.json").read_text())
+    d = json.loads((RESULTS / f"{run}.json").read_text())
     rows = goal_rows(cpu_bench.markdown(d["meta"], d["dense"], d["weight_only"], d.get("targets")))
     for dt in ("float32", "bfloat16"):
         worst = min(r["ratio"] for r in d["dense"] if r["dtype"] == dt and r["size"] >= 1024)

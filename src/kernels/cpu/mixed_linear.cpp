@@ -1067,19 +1067,23 @@ int64_t nib_max_m(const QuantizedWeight& w) {
   return w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
 }
 // On AMX CPUs, M below kAmxMinM takes the fp32 FMA blocks (small_rows_avx512) instead of
-// the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 at M = 1. By the
+// the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 up to M = 2. By the
 // timings there, vdpbf16ps does no more multiply-adds per cycle than the FMA units, so the
 // bf16 blocks' extra work (unpacking nibbles; int8 as two nibble dot products) is not paid
-// back.
-// Measured on the AMX Xeon of bench/CPU_NOTES.md 21 and 23 (2 threads, 4096 x 4096 and
-// 4096 x 12288, against torch's weight-only kernels): int8 per channel M = 1 1.11-1.25x on
-// the FMA blocks, 0.73-0.81x on the nibble blocks; int8 M = 2 and 4 1.07-1.37x against
-// 0.65-0.77x on the tile blocks; int4 g128 M = 4 0.78-0.79 ms against 1.16-1.27 ms (4096^2),
-// M = 2 ~5-8 % faster; but int4 M = 1 10-20 % slower than its nibble block. On the Zen 4
-// dev VM the bf16 blocks are the faster ones. AMX stands for that kind of core here.
+// back where the weights come from cache; int4's nibble block reads its weight from memory
+// faster at the fewest rows.
+// Measured on the AMX Xeon of bench/CPU_NOTES.md 21, 23 and 27 (2 threads, against torch's
+// weight-only kernels): int8 per channel M = 1 1.11-1.25x on the FMA blocks, 0.73-0.81x on
+// the nibble blocks; int8 M = 2 and 4 1.07-1.37x against 0.65-0.77x on the tile blocks.
+// int4 g128 4096^2 with cache-resident weights: M = 4 0.78-0.79 ms on the FMA blocks
+// against 1.16-1.27 ms, M = 2 ~5-8 % faster, M = 1 10-20 % slower; with the weights
+// streaming from memory (as in decoding, and in bench/cpu_bench.py): M = 2 0.80 ms against
+// 0.60 (0.81x torch against 1.09x), M = 4 1.07 against 1.04 (M = 3 not measured that way).
+// On the Zen 4 dev VM the bf16 blocks are the faster ones. AMX stands for that kind of core
+// here.
 bool fma_first(const MixedLinearArgs& a) {
   const int64_t m = a.x.rows;
-  return m < kAmxMinM && (a.w.bits == 8 || m > 1) && amx_supported();
+  return m < kAmxMinM && (a.w.bits == 8 || m > 2) && amx_supported();
 }
 bool small_m_nib(const MixedLinearArgs& a) {
   return small_m_bf16(a) && a.x.rows <= nib_max_m(a.w) && !fma_first(a);
