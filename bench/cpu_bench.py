@@ -295,6 +295,21 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
         """GFLOP/s needed to read r's weights at gbps GB/s (2 M FLOPs per weight)."""
         return 2 * r["M"] * gbps * (2 if r["bits"] == 4 else 1)
 
+    def flops_bound(goal, need, r, extra=""):
+        """The goal's FLOP rate against the fastest GEMM of the run: the bound when it is above
+        80 % of that ceiling (the same instruction stream also dequantises every weight); below,
+        FLOPs are not what stops it, and the work per weight around the multiply-adds is."""
+        if need > ceiling:
+            return (f"FLOPs: {goal} needs {need:.0f} GFLOP/s, {need / ceiling:.1f}x the fastest GEMM measured "
+                    f"here ({ceiling:.0f}){extra}; ours does {gflops(r):.0f}"
+                    + ("" if extra else " while also dequantising"))
+        if need > 0.8 * ceiling:
+            return (f"FLOPs: {goal} needs {need:.0f} GFLOP/s, {need / ceiling:.0%} of the fastest GEMM measured "
+                    f"here ({ceiling:.0f}){extra}; ours does {gflops(r):.0f}")
+        return (f"not FLOPs: {goal} needs {need:.0f} GFLOP/s, {need / ceiling:.0%} of the fastest GEMM measured "
+                f"here ({ceiling:.0f}); ours does {gflops(r):.0f}, bound by the dequantising instructions per "
+                "weight around its multiply-adds")
+
     for bits, group, name in ((8, 0, "int8"), (4, 128, "int4 g128")):
         rs = [r for r in wo if (r["bits"], r["group"]) == (bits, group)]
         m1 = [r for r in rs if r["M"] == 1]
@@ -324,8 +339,7 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             need = needs(w, 0.7 * (w.get("read_GBps_probe") or meta["read_GBps"]))
             row(f"{name} M<=16 reads weights at >= 70% of read bandwidth",
                 f"worst {w['frac_of_read_bw']:.0%} (M={w['M']}, {w['K']}x{w['N']})", w["frac_of_read_bw"] >= 0.7,
-                f"FLOPs: 70% at M={w['M']} needs {need:.0f} GFLOP/s, {need / ceiling:.1f}x the fastest GEMM "
-                f"measured here ({ceiling:.0f}); ours does {gflops(w):.0f} while also dequantising")
+                flops_bound(f"70% at M={w['M']}", need, w))
         refd = [r for r in rs if r["ratio_vs_torch_weight_only"]]
         if bits == 8:
             m16 = [r for r in refd if r["M"] == 16]
@@ -334,13 +348,16 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
                 need = gflops(w) * 3 / w["ratio_vs_torch_weight_only"]
                 row("int8 M=16 >= 3x torch._weight_int8pack_mm", f"worst {w['ratio_vs_torch_weight_only']:.2f}x "
                     f"({w['K']}x{w['N']})", w["ratio_vs_torch_weight_only"] >= 3,
-                    f"FLOPs: 3x needs {need:.0f} GFLOP/s, {need / ceiling:.0%} of the fastest GEMM measured "
-                    f"here ({ceiling:.0f}) plus the dequantisation; ours does {gflops(w):.0f}")
+                    flops_bound("3x", need, w, " plus the dequantisation"))
         elif refd:
             w = min(refd, key=lambda r: r["ratio_vs_torch_weight_only"])
             row("int4 >= 1x torch._weight_int4pack_mm_for_cpu everywhere",
                 f"worst {w['ratio_vs_torch_weight_only']:.2f}x (M={w['M']}, {w['K']}x{w['N']})",
-                w["ratio_vs_torch_weight_only"] >= 1, f"{gflops(w):.0f} GFLOP/s vs ceiling {ceiling:.0f}")
+                w["ratio_vs_torch_weight_only"] >= 1,
+                f"{w['weight_GBps']:.1f} GB/s of weight read"
+                + (f" ({w['frac_of_read_bw']:.0%} of the read probe next to it)" if w["M"] <= 16 else "")
+                + f" and {gflops(w):.0f} GFLOP/s ({gflops(w) / ceiling:.0%} of the fastest GEMM here): neither "
+                "bounds it; the dequantising work per weight at that M does (bench/CPU_NOTES.md 27)")
         m256 = [r for r in rs if r["M"] == 256 and r["ratio_vs_linear_bf16"]]
         if m256:
             w = min(m256, key=lambda r: r["ratio_vs_linear_bf16"])

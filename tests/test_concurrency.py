@@ -333,12 +333,16 @@ sys.exit(0)
 
 
 # Target 2.9 runs CPU ops on the library's own pool, sized after torch.get_num_threads():
-# the native threads of the process show it. Inputs are made first (torch's own pool stays
-# out of it: torch runs at one thread and nothing of it in parallel between the counts).
+# the size in effect (portable_gemm_set_pool_threads(0) reports it) and the native threads
+# of the process (the workers of the largest size so far) show it. Inputs are made first
+# (torch's own pool stays out of it: torch runs at one thread and nothing of it in parallel
+# between the counts). tests/cpp/test_kernels_cpu.cpp checks that a job uses at most that
+# many threads.
 POOL_SIZE = r"""
-import os, torch, portable_gemm as pg
+import ctypes, os, torch, portable_gemm as pg
 assert pg.info()["target"] == "2.9", pg.info()["target"]
 assert pg.info()["features"]["threading"] == "portable_gemm_pool"
+size = ctypes.CDLL(pg.info()["libraries"]["kernels"]).portable_gemm_set_pool_threads
 def tasks():
     return len(os.listdir("/proc/self/task"))
 torch.set_num_threads(1)
@@ -350,15 +354,16 @@ def calls():
     q, s = pg.quantize_weight(w, bits=8)
     pg.mixed_linear(x, q, s, bits=8)
     return pg.gemm(a, b)
-sizes, outs = [], []
+sizes, workers, outs = [], [], []
 for n in (1, 3, 1, 3, 2):
     torch.set_num_threads(n)
     outs.append(calls())
-    sizes.append(tasks() - base)
+    sizes.append(size(0))
+    workers.append(tasks() - base)
 torch.set_num_threads(1)  # torch's own ops from here on (they may start threads of their own)
 for y in outs:
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-3)
-print("WORKERS", sizes, flush=True)
+print("SIZES", sizes, "WORKERS", workers, flush=True)
 """
 
 
@@ -406,19 +411,19 @@ def test_builtin_pool_threads_and_fork(procs):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
-@pytest.mark.parametrize("which, expected", [
-    # Workers (threads beyond the caller's) after calls at torch.set_num_threads(1, 3, 1, 3, 2):
-    # a pool per size, built once and kept (its workers asleep) when the size changes.
-    ("pool_size", [0, 2, 2, 2, 3]),
-    # PORTABLE_GEMM_NUM_THREADS=2 fixes the size: one worker, whatever torch says.
-    ("pool_size_env", [1, 1, 1, 1, 1]),
+@pytest.mark.parametrize("which, sizes, workers", [
+    # After calls at torch.set_num_threads(1, 3, 1, 3, 2): the size in effect, and the workers
+    # (threads beyond the caller's; the pool keeps those of the largest size, asleep).
+    ("pool_size", [1, 3, 1, 3, 2], [0, 2, 2, 2, 2]),
+    # PORTABLE_GEMM_NUM_THREADS=2 fixes the size, whatever torch says.
+    ("pool_size_env", [2, 2, 2, 2, 2], [1, 1, 1, 1, 1]),
 ])
-def test_builtin_pool_follows_torch_threads(procs, which, expected):
+def test_builtin_pool_follows_torch_threads(procs, which, sizes, workers):
     rc, out, err = _wait(procs[which], which)
     assert rc == 0, f"{which}: exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
-    line = next((ln for ln in out.splitlines() if ln.startswith("WORKERS")), None)
+    line = next((ln for ln in out.splitlines() if ln.startswith("SIZES")), None)
     assert line is not None, out
-    assert line == f"WORKERS {expected}", line
+    assert line == f"SIZES {sizes} WORKERS {workers}", line
 
 
 @pytest.mark.parametrize("which", ["shutdown_2.9", "shutdown_default"])

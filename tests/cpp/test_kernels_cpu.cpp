@@ -9,12 +9,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -289,6 +293,51 @@ void test_executor() {
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "parallel_for in a forked child failed");
 }
 
+// The pool's size follows portable_gemm_set_pool_threads: a job at size n runs on at most n
+// threads (the pool keeps the workers of the largest size asked for, the others asleep), on
+// more than one where n > 1, and sums right; a forked child gets a pool of that size.
+std::mutex g_ids_mu;
+std::set<std::thread::id> g_ids;
+void record_range(void*, int64_t b, int64_t e) {
+  {
+    std::lock_guard<std::mutex> lk(g_ids_mu);
+    g_ids.insert(std::this_thread::get_id());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));  // so that every worker gets a chunk
+  int64_t s = 0;
+  for (int64_t i = b; i < e; ++i) s += i;
+  g_sum += s;
+}
+void test_pool_size() {
+  if (std::getenv("PORTABLE_GEMM_NUM_THREADS")) return;  // it fixes the size
+  const Executor& ex = builtin_executor();
+  for (int n : {3, 1, 4, 2, 3}) {
+    CHECK(portable_gemm_set_pool_threads(n) == n, "pool size %d not taken", n);
+    CHECK(ex.num_threads(ex.self) == n, "pool reports %d threads, asked for %d", ex.num_threads(ex.self), n);
+    size_t most = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      g_ids.clear();
+      g_sum = 0;
+      ex.parallel_for(ex.self, 0, 64, 1, record_range, nullptr);
+      CHECK(g_sum == 63 * 64 / 2, "sum %lld at pool size %d", (long long)g_sum.load(), n);
+      CHECK(int(g_ids.size()) <= n, "%zu threads ran a job at pool size %d", g_ids.size(), n);
+      most = std::max(most, g_ids.size());
+    }
+    CHECK(n == 1 || most >= 2, "no worker took part at pool size %d", n);
+  }
+  CHECK(portable_gemm_set_pool_threads(0) == 3, "size 0 changed the pool");
+  const pid_t pid = fork();
+  if (pid == 0) {
+    g_ids.clear();
+    g_sum = 0;
+    builtin_executor().parallel_for(nullptr, 0, 64, 1, record_range, nullptr);
+    _exit(g_sum == 63 * 64 / 2 && g_ids.size() <= 3 && builtin_executor().num_threads(nullptr) == 3 ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "pool size in a forked child");
+}
+
 }  // namespace
 
 int main() {
@@ -317,6 +366,7 @@ int main() {
     for (int64_t gs : {0, 32, 128}) test_quantize_roundtrip(bits, gs);
   test_validation();
   test_executor();
+  test_pool_size();
   std::printf(g_failures ? "%d FAILURES\n" : "all passed\n", g_failures);
   return g_failures ? 1 : 0;
 }

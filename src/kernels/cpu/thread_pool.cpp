@@ -18,10 +18,13 @@
 //    a small call. After each job, workers (and the caller waiting for them) spin for a
 //    short while (kSpin) before blocking, as OpenMP runtimes do.
 //  * size: PORTABLE_GEMM_NUM_THREADS, else what portable_gemm_set_pool_threads asked for
-//    (the Python package passes torch.get_num_threads() on torch targets without a stable
-//    parallel_for), else the hardware concurrency. A pool's size is fixed, so a new size
-//    switches to a pool of that size; the others stay (one per size ever asked for, their
-//    workers asleep), since a call may still be running on them.
+//    last (the Python package passes torch.get_num_threads() on torch targets without a
+//    stable parallel_for), else the hardware concurrency. One pool per process: a larger
+//    size adds workers (never more than the largest size asked for), a smaller one leaves
+//    the extra workers asleep, and each job takes the first `active` threads. Workers
+//    outside that set block without spinning on a condition variable jobs do not signal.
+//    If a thread cannot be created, the pool keeps the threads it has.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -95,21 +98,42 @@ int configured_threads() {
 
 class Pool {
  public:
-  explicit Pool(int nthreads) : nthreads_(nthreads) {
-    for (int i = 1; i < nthreads_; ++i) {
-      std::thread t([this] { worker(); });
-      t.detach();  // never joined: see the comment at the top of the file
+  explicit Pool(int nthreads) { resize(nthreads); }
+
+  // Threads (the caller's included) of each job from now on: n, or as many as could be
+  // created. New workers cannot be part of a job already posted (its participants are
+  // counted below the capacity it saw), so no job has to finish first.
+  int resize(int n) {
+    int cap = capacity_.load(std::memory_order_relaxed);
+    const uint64_t gen = word_.load(std::memory_order_acquire) >> kActBits;
+    while (cap < n) {
+      try {
+        std::thread t([this, idx = cap, gen] { worker(idx, gen); });
+        t.detach();  // never joined: see the comment at the top of the file
+      } catch (...) {  // std::system_error: no more threads; keep those there are
+        break;
+      }
+      ++cap;
     }
+    int act;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      capacity_.store(cap, std::memory_order_relaxed);
+      act = n < cap ? n : cap;
+      active_.store(act, std::memory_order_relaxed);
+    }
+    idle_cv_.notify_all();  // workers that are now among the active ones
+    return act;
   }
 
-  int num_threads() const { return nthreads_; }
+  int num_threads() const { return active_.load(std::memory_order_relaxed); }
 
   void run(int64_t begin, int64_t end, int64_t grain, Executor::Body body, void* ctx) {
     if (end <= begin) return;
     if (grain < 1) grain = 1;
     const int64_t n = end - begin;
     int64_t nchunks = (n + grain - 1) / grain;
-    if (nchunks > nthreads_) nchunks = nthreads_;
+    if (nchunks > num_threads()) nchunks = num_threads();
     if (nchunks <= 1 || t_inside_pool) {
       body(ctx, begin, end);
       return;
@@ -120,19 +144,31 @@ class Pool {
       return;
     }
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::unique_lock<std::mutex> lk(mu_);
+      // The participants: the caller and workers 1 .. job_act - 1. Read under mu_, like
+      // resize() writes it: a worker outside the active set sleeps on idle_cv_, which
+      // only resize() signals, so a job must never count one that resize() did not wake.
+      const int job_act = active_.load(std::memory_order_relaxed);
+      if (nchunks > job_act) nchunks = job_act;
+      if (nchunks <= 1) {  // shrunk meanwhile
+        lk.unlock();
+        caller_lock.unlock();
+        body(ctx, begin, end);
+        return;
+      }
       body_ = body;
       ctx_ = ctx;
       begin_ = begin;
       end_ = end;
       nchunks_ = nchunks;
       next_.store(0, std::memory_order_relaxed);
-      // Every worker acknowledges every job, so none can still be looking at this job's
-      // fields when the next one overwrites them.
-      pending_workers_.store(nthreads_ - 1, std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_release);  // publishes the fields above
+      // Every participant acknowledges the job, so none can still be looking at its fields
+      // when the next one overwrites them.
+      pending_workers_.store(job_act - 1, std::memory_order_relaxed);
+      const uint64_t gen = (word_.load(std::memory_order_relaxed) >> kActBits) + 1;
+      word_.store(gen << kActBits | uint64_t(job_act), std::memory_order_release);  // publishes
     }
-    work_cv_.notify_all();  // for workers that stopped spinning
+    work_cv_.notify_all();  // for active workers that stopped spinning
     t_inside_pool = true;
     run_chunks();
     t_inside_pool = false;
@@ -143,6 +179,10 @@ class Pool {
   }
 
  private:
+  // The job word: generation << kActBits | its participants (the caller included).
+  static constexpr int kActBits = 11;
+  static_assert(kMaxThreads < (1 << kActBits), "participants fit the job word");
+
   void run_chunks() {
     for (;;) {
       int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
@@ -155,16 +195,29 @@ class Pool {
     }
   }
 
-  void worker() {
+  // Worker idx (1 ..), which has seen every job up to generation `seen`.
+  void worker(int idx, uint64_t seen) {
     t_inside_pool = true;
-    uint64_t seen = 0;
     for (;;) {
-      auto job_posted = [&] { return generation_.load(std::memory_order_acquire) != seen; };
-      if (!spin_until(job_posted)) {
-        std::unique_lock<std::mutex> lk(mu_);
-        work_cv_.wait(lk, job_posted);
+      // A job of a later generation that counts this worker among its participants.
+      auto mine = [&] {
+        const uint64_t w = word_.load(std::memory_order_acquire);
+        return (w >> kActBits) != seen && idx < int(w & ((1u << kActBits) - 1));
+      };
+      auto active = [&] { return idx < active_.load(std::memory_order_relaxed); };
+      if (!mine()) {
+        if (active()) {
+          if (!spin_until([&] { return mine() || !active(); })) {
+            std::unique_lock<std::mutex> lk(mu_);
+            work_cv_.wait(lk, [&] { return mine() || !active(); });
+          }
+        } else {  // outside the active set: sleep until it grows (resize) or a job counts it
+          std::unique_lock<std::mutex> lk(mu_);
+          idle_cv_.wait(lk, [&] { return mine() || active(); });
+        }
+        if (!mine()) continue;
       }
-      seen = generation_.load(std::memory_order_acquire);
+      seen = word_.load(std::memory_order_acquire) >> kActBits;
       run_chunks();
       if (pending_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         // Under mu_: the caller either sees the count at 0 or is already waiting.
@@ -174,28 +227,22 @@ class Pool {
     }
   }
 
-  const int nthreads_;
+  std::atomic<int> capacity_{1};  // the caller plus the workers created
+  std::atomic<int> active_{1};    // threads of each job from now on (<= capacity_)
   std::mutex caller_mu_;  // one job at a time
   std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_;
-  std::atomic<uint64_t> generation_{0};  // bumped (under mu_) once per job
+  std::condition_variable work_cv_, done_cv_, idle_cv_;
+  std::atomic<uint64_t> word_{0};  // the job word, bumped (under mu_) once per job
   std::atomic<int> pending_workers_{0};
-  // Job description, written under mu_ before generation_ changes.
+  // Job description, written under mu_ before word_ changes.
   Executor::Body body_ = nullptr;
   void* ctx_ = nullptr;
   int64_t begin_ = 0, end_ = 0, nchunks_ = 0;
   std::atomic<int64_t> next_{0};
 };
 
-std::atomic<Pool*> g_pool{nullptr};  // the pool in use
+std::atomic<Pool*> g_pool{nullptr};
 std::mutex g_create_mu;
-Pool* g_by_size[kMaxThreads + 1] = {};  // every pool built, by size (under g_create_mu)
-
-// The pool of n threads, built on first use. Caller holds g_create_mu.
-Pool* pool_of_size(int n) {
-  if (g_by_size[n] == nullptr) g_by_size[n] = new Pool(n);  // intentionally leaked
-  return g_by_size[n];
-}
 
 #if !defined(_WIN32)
 // Holding g_create_mu across fork() keeps the child from inheriting it locked by a
@@ -203,27 +250,32 @@ Pool* pool_of_size(int n) {
 void atfork_prepare() { g_create_mu.lock(); }
 void atfork_parent() { g_create_mu.unlock(); }
 void atfork_child() {
-  g_pool.store(nullptr, std::memory_order_relaxed);  // leak the parent's pools
-  for (Pool*& p : g_by_size) p = nullptr;
+  g_pool.store(nullptr, std::memory_order_relaxed);  // leak the parent's pool
   t_inside_pool = false;
   g_create_mu.unlock();
 }
 #endif
 
+// The fork handlers, installed before anything here first takes g_create_mu (else a fork
+// from another thread while it is held would leave it locked in the child).
+void install_fork_handlers() {
+#if !defined(_WIN32)
+  static const bool registered = [] {
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+    return true;
+  }();
+  (void)registered;
+#endif
+}
+
 Pool& pool() {
   Pool* p = g_pool.load(std::memory_order_acquire);
   if (p) return *p;
+  install_fork_handlers();
   std::lock_guard<std::mutex> lk(g_create_mu);
   p = g_pool.load(std::memory_order_acquire);
   if (!p) {
-#if !defined(_WIN32)
-    static const bool registered = [] {
-      pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
-      return true;
-    }();
-    (void)registered;
-#endif
-    p = pool_of_size(configured_threads());  // leaked, see top of file
+    p = new Pool(configured_threads());  // intentionally leaked, see top of file
     g_pool.store(p, std::memory_order_release);
   }
   return *p;
@@ -239,12 +291,16 @@ int pool_num_threads(void*) { return pool().num_threads(); }
 }  // namespace
 
 extern "C" PG_API int portable_gemm_set_pool_threads(int n) {
-  std::lock_guard<std::mutex> lk(g_create_mu);
-  if (n >= 1) g_requested.store(n > kMaxThreads ? kMaxThreads : n, std::memory_order_relaxed);
-  const int size = configured_threads();
-  Pool* p = g_pool.load(std::memory_order_acquire);
-  if (p != nullptr && p->num_threads() != size) g_pool.store(pool_of_size(size), std::memory_order_release);
-  return size;
+  install_fork_handlers();
+  try {
+    std::lock_guard<std::mutex> lk(g_create_mu);
+    if (n >= 1) g_requested.store(n > kMaxThreads ? kMaxThreads : n, std::memory_order_relaxed);
+    const int size = configured_threads();
+    Pool* p = g_pool.load(std::memory_order_acquire);
+    return p != nullptr ? p->resize(size) : size;
+  } catch (...) {  // nothing may cross the C boundary
+    return 0;
+  }
 }
 
 const Executor& builtin_executor() {
