@@ -80,7 +80,7 @@ def test_mixed_linear_m_sweep(device, bits, group):
     (bits, group, mnk)
     for bits, group in [(8, None), (4, 32)]
     for mnk in [(1, 1, 2), (7, 13, 64), (33, 65, 96), (5, 3, 4096), (40, 17, 130), (24, 11, 129),
-                (17, 35, 1030)]
+                (17, 35, 1030), (9, 21, 160)]
     if bits == 8 or mnk[2] % 2 == 0  # int4 needs an even K (test_bad_input checks the error)
 ], ids=lambda v: str(v))
 def test_mixed_linear_odd_shapes(device, bits, group, mnk):

@@ -4,7 +4,7 @@
 # usage: python bench/probes/cpu_amx_probe.py TAG   (PGX_SKIP_WO=1: dense only; PGX_SKIP_DENSE=1;
 #        PGX_MS=1,16: the M of the weight-only part; PGX_NS=1024,2048: the dense sizes; PGX_THREADS;
 #        PGX_ROTATE=1: weights cycled over copies of > 128 MB, so that they stream from DRAM; PGX_SHAPES=4096x4096;
-#        PGX_INT4_ONLY=1)
+#        PGX_INT4_ONLY=1; PGX_OURS_ONLY=1: our int4 and int8 only, for A/B between builds or settings)
 import os, sys, time
 import torch, torch.nn.functional as F
 import portable_gemm as pg
@@ -49,6 +49,10 @@ for (K, N) in shapes:
               "int8": lambda: pg.mixed_linear(x, *c8(), bits=8),
               "t_int8": lambda: torch._weight_int8pack_mm(x, *ct8(), s8t),
               "F.linear": lambda: F.linear(x, *cw())}
+        if os.environ.get("PGX_OURS_ONLY"):
+            r = rounds({k: fs[k] for k in ("int4", "int8")})
+            print(f"{tag} wo {K}x{N} M={m}: int4 {r['int4']*1e3:.3f} ms, int8 {r['int8']*1e3:.3f} ms", flush=True)
+            continue
         if os.environ.get("PGX_INT4_ONLY"):  # ours and torch's int4 only
             fs = {k: fs[k] for k in ("int4", "t_int4")}
             r = rounds(fs)

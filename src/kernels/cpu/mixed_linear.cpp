@@ -63,7 +63,9 @@ bool small_m_bf16(const MixedLinearArgs& a) {
 // weight, not per row of x) costs more than the AVX-512 FMA path, which is bandwidth-bound
 // up to M ~ 4. Above kAmxMaxM the dense path takes over: its GEMM runs on the tile unit
 // too (gemm.cpp, K % 32 == 0) and reads each row of x once per kc block, where amx_linear
-// reads all of x again for every 32 output channels (bench/CPU_NOTES.md, 21).
+// reads all of x again for every 32 output channels (bench/CPU_NOTES.md, 21). At M = 3
+// and 4, int4 on amx_linear was measured against the FMA blocks after the rework of
+// section 28: faster at 4096 x 12288, slower at 4096^2, so the bound stays.
 constexpr int64_t kAmxMinM = 5;
 constexpr int64_t kAmxMaxM = 32;
 
@@ -1250,11 +1252,12 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
 // output tolerance). Only taken for bf16 x (f16 / f32 x would lose precision).
 
 #if PG_X86
-constexpr int64_t kAmxKc = 256;  // k per dequantised block (32 channels: 16 KB of bf16)
+constexpr int64_t kAmxKc = 256;  // k per dequantised block
+constexpr int64_t kAmxSteps = kAmxKc / 32;
 
 struct AmxJob {
   const MixedLinearArgs* args;
-  const uint16_t* xp;  // [K / 2][mpad][2] bf16 (int4: k permuted per 32-block)
+  const uint16_t* xp;  // [K / 2][mpad][2] bf16 (int4: k permuted, see int4_k_at)
   int64_t mpad;        // rows of x padded to 16 (to 32 when > 16)
   int64_t m, n, k;
   bool scale_in_weight;  // group scales: folded into the bf16 weights
@@ -1262,87 +1265,167 @@ struct AmxJob {
   mutable std::atomic<bool> failed{false};
 };
 
-// abuf[kstep][2][16][32]: rows r < 32 of channels nb + r, k in [k0, k0 + kc); channels
-// at or past nend are zero.
+// The group of each 32-k step of a block, found once per block: per row and step, the
+// integer divisions cost more than the dequantisation itself (bench/CPU_NOTES.md 28).
+struct StepGroups {
+  int64_t g[kAmxSteps];
+  bool fresh[kAmxSteps];  // step 0, or a group other than the step before's
+};
+
+// The table for int4 (amx_int4_row): words 0-15 the 16 nibble values times s_lo, words
+// 16-31 times s_hi, in bf16 (the same rounding as converting q * s).
+PG_TARGET_AMX inline __m512i int4_table(float s_lo, float s_hi) {
+  // value of unsigned nibble u: u - 16 * (u >= 8)
+  const __m512 vals = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(vals, _mm512_set1_ps(s_hi)),
+                                      _mm512_mul_ps(vals, _mm512_set1_ps(s_lo)));
+}
+
+// int4: one row's k in [k0, k0 + kc) turned into bf16 through a 32-word table (vpermw):
+// words 0-15 for a 64-k block's first 32 k, words 16-31 for its last 32 (two group scales
+// when the groups are 32 wide). A 64-k block's even k go to one tile step and its odd k
+// to the next; a trailing 32-k block (K % 64 == 32) takes its 16 even k, then its 16 odd
+// k (xpack_task packs x in the same order). Per 64 weights: a zero-extension, two table
+// lookups, a shift and two ORs, where converting through fp32 took fourteen vector
+// operations, most of them on one port.
+template <int NT>
+PG_TARGET_AMX void amx_int4_row(const AmxJob& job, const StepGroups& sg, int64_t n,
+                                const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
+  const QuantizedWeight& w = job.args->w;
+  const bool gscale = job.scale_in_weight;
+  const __m512i sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1);
+  const __m512i c0f = _mm512_set1_epi16(0x0F);
+  __m512i lut = int4_table(1.f, 1.f);
+  int64_t s = 0;
+  for (; (s + 2) * 32 <= kc; s += 2) {
+    if (gscale && (sg.fresh[s] || sg.fresh[s + 1]))
+      lut = int4_table(scale_at(w, n, sg.g[s]), scale_at(w, n, sg.g[s + 1]));
+    const __m512i wv = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (k0 + s * 32) / 2)));
+    const __m512i lo =
+        _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA), lut);
+    const __m512i hi =
+        _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(wv, 4), sel), lut);
+    _mm512_storeu_si512(dst + s * NT * 512, lo);
+    _mm512_storeu_si512(dst + (s + 1) * NT * 512, hi);
+  }
+  if (s * 32 < kc) {
+    if (gscale) {
+      const float sc = scale_at(w, n, sg.g[s]);
+      lut = int4_table(sc, sc);
+    }
+    const __m512i wv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k0 + s * 32) / 2))));
+    const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(wv, c0f), lut);
+    const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(wv, 4), lut);
+    _mm512_storeu_si512(dst + s * NT * 512, _mm512_shuffle_i64x2(lo, hi, 0x44));
+  }
+}
+
+// int8: 32 k per step through fp32 (a group scale, if any, applied there).
+template <int NT>
+PG_TARGET_AMX void amx_int8_row(const AmxJob& job, const StepGroups& sg, int64_t n,
+                                const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
+  const QuantizedWeight& w = job.args->w;
+  const bool gscale = job.scale_in_weight;
+  __m512 sv = _mm512_set1_ps(1.f);
+  for (int64_t s = 0; s < kc / 32; ++s) {
+    if (gscale && sg.fresh[s]) sv = _mm512_set1_ps(scale_at(w, n, sg.g[s]));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 + s * 32));
+    __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    if (gscale) {
+      f0 = _mm512_mul_ps(f0, sv);
+      f1 = _mm512_mul_ps(f1, sv);
+    }
+    _mm512_storeu_si512(dst + s * NT * 512, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+  }
+}
+
+// abuf[kstep][NT][16][32]: rows r < 16 * NT of channels nb + r, k in [k0, k0 + kc);
+// channels at or past nend are zero. Each row's next block (or, after the last, the next
+// channel block's first) is prefetched into L2 on the way: with 32-64 rows read 128-256
+// bytes at a time, the hardware prefetchers alone left the reads latency-bound
+// (bench/CPU_NOTES.md 28).
+template <int NT>
 PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int64_t k0,
                                int64_t kc, uint16_t* abuf) {
   const QuantizedWeight& w = job.args->w;
-  const bool gscale = job.scale_in_weight;
-  const int64_t gs = w.group_size;
-  for (int r = 0; r < 32; ++r) {
+  StepGroups sg;
+  if (job.scale_in_weight)
+    for (int64_t s = 0; s < kc / 32; ++s) {
+      sg.g[s] = (k0 + s * 32) / w.group_size;
+      sg.fresh[s] = s == 0 || sg.g[s] != sg.g[s - 1];
+    }
+  const int64_t row_bytes = w.bits == 8 ? kc : kc / 2;
+  const int64_t at = w.bits == 8 ? k0 : k0 / 2;
+  for (int r = 0; r < 16 * NT; ++r) {
     const int64_t n = nb + r;
     uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
     if (n >= nend) {
       for (int64_t s = 0; s < kc / 32; ++s)
-        _mm512_storeu_si512(dst + s * 1024, _mm512_setzero_si512());
+        _mm512_storeu_si512(dst + s * NT * 512, _mm512_setzero_si512());
       continue;
     }
     const uint8_t* q = static_cast<const uint8_t*>(w.data) + n * w.row_stride;
-    __m512 sv = _mm512_set1_ps(1.f);
-    int64_t gcur = -1;
-    for (int64_t s = 0; s < kc / 32; ++s) {
-      const int64_t k = k0 + s * 32;
-      if (gscale && k / gs != gcur) {
-        gcur = k / gs;
-        sv = _mm512_set1_ps(scale_at(w, n, gcur));
-      }
-      __m512 f0, f1;
-      if (w.bits == 8) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
-        f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-        f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-      } else {
-        const __m512i v = _mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2)));
-        f0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28));
-        f1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 4));
-      }
-      if (gscale) {
-        f0 = _mm512_mul_ps(f0, sv);
-        f1 = _mm512_mul_ps(f1, sv);
-      }
-      _mm512_storeu_si512(dst + s * 1024, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
-    }
+    const uint8_t* next = k0 + kc < job.k          ? q + at + row_bytes
+                          : n + 16 * NT < nend ? q + 16 * NT * w.row_stride
+                                               : nullptr;
+    if (next != nullptr)
+      for (int64_t o = 0; o < row_bytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T2);
+    if (w.bits == 4)
+      amx_int4_row<NT>(job, sg, n, q, k0, kc, dst);
+    else
+      amx_int8_row<NT>(job, sg, n, q, k0, kc, dst);
   }
 }
 
-// Channels [n0, n1) of the thread, all rows of x: writes res[m * ldr + (n - n0)].
-template <int MT>
+// Channels [n0, n1) of the thread, all rows of x: writes res[m * ldr + (n - n0)]. Tiles:
+// MT * NT accumulators of 16 channels x 16 rows of x (MT * NT = 4), A (weight) tiles 4 and
+// 5, B (x) tiles 6 and 7. Up to 16 rows (MT = 1) a block has 64 channels (NT = 4), so each
+// B tile serves four products; with 32 rows, 32 channels by 2 x 2.
+template <int MT, int NT>
 PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* res,
                             int64_t ldr) {
+  static_assert(MT * NT == 4, "four accumulator tiles");
   const QuantizedWeight& w = job.args->w;
   const int64_t K = job.k;
   const int64_t mpairs = job.mpad / (16 * MT);
   const int64_t bstride = job.mpad * 4;  // bytes per k-pair row of xp
-  uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(6, size_t(kAmxKc / 32 * 1024 / 2)));
+  uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(6, size_t(kAmxSteps * NT * 512 / 2)));
   float* cbuf = scratch(7, size_t(mpairs * 4 * 256));
   alignas(64) float ctile[4][256];
-  for (int64_t nb = n0; nb < n1; nb += 32) {
+  for (int64_t nb = n0; nb < n1; nb += 16 * NT) {
     for (int64_t k0 = 0; k0 < K; k0 += kAmxKc) {
       const int64_t kc = std::min(kAmxKc, K - k0);
-      amx_dequant(job, nb, n1, k0, kc, abuf);
+      amx_dequant<NT>(job, nb, n1, k0, kc, abuf);
       // GCC's _tile_loadd has no memory operand: keep the stores above before the loads.
       __asm__ volatile("" ::: "memory");
       for (int64_t mp = 0; mp < mpairs; ++mp) {
         float* cb = cbuf + mp * 4 * 256;
         if (k0 == 0) {
-          _tile_zero(0); _tile_zero(1);
-          if (MT == 2) { _tile_zero(2); _tile_zero(3); }
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         } else if (mpairs > 1) {
           _tile_loadd(0, cb, 64); _tile_loadd(1, cb + 256, 64);
-          if (MT == 2) { _tile_loadd(2, cb + 512, 64); _tile_loadd(3, cb + 768, 64); }
+          _tile_loadd(2, cb + 512, 64); _tile_loadd(3, cb + 768, 64);
         }
         const char* xb = reinterpret_cast<const char*>(job.xp + mp * MT * 32) +
                          (k0 / 2) * bstride;
         for (int64_t s = 0; s < kc / 32; ++s) {
-          const uint16_t* a = abuf + s * 1024;
+          const uint16_t* a = abuf + s * NT * 512;
           const char* b = xb + s * 16 * bstride;
+          _tile_loadd(6, b, bstride);
           _tile_loadd(4, a, 64);
           _tile_loadd(5, a + 512, 64);
-          _tile_loadd(6, b, bstride);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 5, 6);
-          if (MT == 2) {
+          if (NT == 4) {
+            _tile_loadd(4, a + 1024, 64);
+            _tile_loadd(5, a + 1536, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(3, 5, 6);
+          } else {
             _tile_loadd(7, b + 64, bstride);
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
@@ -1350,14 +1433,14 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
         }
         if (mpairs > 1 && k0 + kAmxKc < K) {
           _tile_stored(0, cb, 64); _tile_stored(1, cb + 256, 64);
-          if (MT == 2) { _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64); }
+          _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64);
         }
         if (k0 + kAmxKc >= K) {  // last block: results out, transposed and scaled
           _tile_stored(0, ctile[0], 64); _tile_stored(1, ctile[1], 64);
-          if (MT == 2) { _tile_stored(2, ctile[2], 64); _tile_stored(3, ctile[3], 64); }
-          for (int t = 0; t < 2 * MT; ++t) {
-            const int64_t nbase = nb + (t & 1) * 16;
-            const int64_t mbase = mp * MT * 16 + (t >> 1) * 16;
+          _tile_stored(2, ctile[2], 64); _tile_stored(3, ctile[3], 64);
+          for (int t = 0; t < 4; ++t) {
+            const int64_t nbase = nb + (t % NT) * 16;
+            const int64_t mbase = mp * MT * 16 + (t / NT) * 16;
             for (int i = 0; i < 16 && nbase + i < n1; ++i) {
               const float s = job.scale_in_weight ? 1.f : scale_at(w, nbase + i, 0);
               for (int j = 0; j < 16 && mbase + j < job.m; ++j)
@@ -1378,16 +1461,21 @@ void amx_task(void* ctx, int64_t n0, int64_t n1) {
     {
       const AmxScope amx(true);
       if (job.mpad > 16)
-        amx_rows<2>(job, n0, n1, res, cols);
+        amx_rows<2, 2>(job, n0, n1, res, cols);
       else
-        amx_rows<1>(job, n0, n1, res, cols);
+        amx_rows<1, 4>(job, n0, n1, res, cols);
     }
     job.ep.store(res, cols, 0, job.m, n0, cols);
   });
 }
 
-// Logical k of position p (< 32) of a 32-block of the int4 A rows (even k, then odd k).
-inline int64_t int4_pos_to_k(int64_t p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
+// The k that position p of the int4 A rows holds (amx_int4_row): in each whole 64-k block
+// the even k, then the odd k; in a trailing 32-k block likewise.
+inline int64_t int4_k_at(int64_t p, int64_t K) {
+  const int64_t width = p / 64 * 64 + 64 <= K ? 64 : 32;
+  const int64_t base = p / width * width, o = p - base;
+  return base + (o < width / 2 ? 2 * o : 2 * (o - width / 2) + 1);
+}
 
 struct XPackJob {
   const MixedLinearArgs* args;
@@ -1404,9 +1492,8 @@ void xpack_task(void* ctx, int64_t p0, int64_t p1) {  // k-pairs [p0, p1)
     uint16_t* row = j.xp + p * j.mpad * 2;
     int64_t ka = 2 * p, kb = 2 * p + 1;
     if (j.int4) {
-      const int64_t base = ka / 32 * 32;
-      ka = base + int4_pos_to_k(ka - base);
-      kb = base + int4_pos_to_k(kb - base);
+      ka = int4_k_at(ka, j.args->w.k);
+      kb = int4_k_at(kb, j.args->w.k);
     }
     for (int64_t m = 0; m < j.m; ++m) {
       row[2 * m] = xs[m * x.row_stride + ka * x.col_stride];
@@ -1449,7 +1536,8 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
   job.xp = xp;
   if (threads > 1 && N * K * (M + 1) >= (1 << 20)) {
     const int64_t per = (N + threads - 1) / threads;
-    exec.parallel_for(exec.self, 0, N, std::max<int64_t>(32, (per + 31) / 32 * 32), amx_task,
+    const int64_t nbk = job.mpad > 16 ? 32 : 64;  // channels per block (amx_rows)
+    exec.parallel_for(exec.self, 0, N, std::max<int64_t>(nbk, (per + nbk - 1) / nbk * nbk), amx_task,
                       &job);
   } else {
     amx_task(&job, 0, N);
