@@ -82,6 +82,8 @@ def test_mixed_linear_m_sweep(device, bits, group):
     for mnk in [(1, 1, 2), (7, 13, 64), (33, 65, 96), (5, 3, 4096), (40, 17, 130), (24, 11, 129),
                 (17, 35, 1030), (9, 21, 160)]
     if bits == 8 or mnk[2] % 2 == 0  # int4 needs an even K (test_bad_input checks the error)
+] + [  # groups of an odd number of 32-k steps, one across a 256-k block (the AMX path's steps)
+    (bits, 96, mnk) for bits in (4, 8) for mnk in [(8, 70, 288), (20, 40, 384)]
 ], ids=lambda v: str(v))
 def test_mixed_linear_odd_shapes(device, bits, group, mnk):
     m, n, k = mnk

@@ -1260,6 +1260,7 @@ struct AmxJob {
   const uint16_t* xp;  // [K / 2][mpad][2] bf16 (int4: k permuted, see int4_k_at)
   int64_t mpad;        // rows of x padded to 16 (to 32 when > 16)
   int64_t m, n, k;
+  int64_t nbk;           // channels per block (amx_rows): 64 up to 16 rows of x, else 32
   bool scale_in_weight;  // group scales: folded into the bf16 weights
   Epilogue ep;
   mutable std::atomic<bool> failed{false};
@@ -1269,7 +1270,6 @@ struct AmxJob {
 // integer divisions cost more than the dequantisation itself (bench/CPU_NOTES.md 28).
 struct StepGroups {
   int64_t g[kAmxSteps];
-  bool fresh[kAmxSteps];  // step 0, or a group other than the step before's
 };
 
 // The table for int4 (amx_int4_row): words 0-15 the 16 nibble values times s_lo, words
@@ -1296,10 +1296,14 @@ PG_TARGET_AMX void amx_int4_row(const AmxJob& job, const StepGroups& sg, int64_t
   const __m512i sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1);
   const __m512i c0f = _mm512_set1_epi16(0x0F);
   __m512i lut = int4_table(1.f, 1.f);
+  int64_t glo = -1, ghi = -1;  // the groups the table is for (gscale)
   int64_t s = 0;
   for (; (s + 2) * 32 <= kc; s += 2) {
-    if (gscale && (sg.fresh[s] || sg.fresh[s + 1]))
-      lut = int4_table(scale_at(w, n, sg.g[s]), scale_at(w, n, sg.g[s + 1]));
+    if (gscale && (sg.g[s] != glo || sg.g[s + 1] != ghi)) {
+      glo = sg.g[s];
+      ghi = sg.g[s + 1];
+      lut = int4_table(scale_at(w, n, glo), scale_at(w, n, ghi));
+    }
     const __m512i wv = _mm512_cvtepu8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (k0 + s * 32) / 2)));
     const __m512i lo =
@@ -1329,8 +1333,12 @@ PG_TARGET_AMX void amx_int8_row(const AmxJob& job, const StepGroups& sg, int64_t
   const QuantizedWeight& w = job.args->w;
   const bool gscale = job.scale_in_weight;
   __m512 sv = _mm512_set1_ps(1.f);
+  int64_t gcur = -1;
   for (int64_t s = 0; s < kc / 32; ++s) {
-    if (gscale && sg.fresh[s]) sv = _mm512_set1_ps(scale_at(w, n, sg.g[s]));
+    if (gscale && sg.g[s] != gcur) {
+      gcur = sg.g[s];
+      sv = _mm512_set1_ps(scale_at(w, n, gcur));
+    }
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 + s * 32));
     __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
     __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
@@ -1353,12 +1361,12 @@ PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int6
   const QuantizedWeight& w = job.args->w;
   StepGroups sg;
   if (job.scale_in_weight)
-    for (int64_t s = 0; s < kc / 32; ++s) {
-      sg.g[s] = (k0 + s * 32) / w.group_size;
-      sg.fresh[s] = s == 0 || sg.g[s] != sg.g[s - 1];
-    }
-  const int64_t row_bytes = w.bits == 8 ? kc : kc / 2;
-  const int64_t at = w.bits == 8 ? k0 : k0 / 2;
+    for (int64_t s = 0; s < kc / 32; ++s) sg.g[s] = (k0 + s * 32) / w.group_size;
+  const int half = w.bits == 4;  // bytes = k >> half
+  // what to prefetch: the row's next block, else the next channel block's first
+  const bool more_k = k0 + kc < job.k;
+  const int64_t pf_off = more_k ? (k0 + kc) >> half : 16 * NT * w.row_stride;
+  const int64_t pf_len = std::min(kAmxKc, more_k ? job.k - k0 - kc : job.k) >> half;
   for (int r = 0; r < 16 * NT; ++r) {
     const int64_t n = nb + r;
     uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
@@ -1368,12 +1376,9 @@ PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int6
       continue;
     }
     const uint8_t* q = static_cast<const uint8_t*>(w.data) + n * w.row_stride;
-    const uint8_t* next = k0 + kc < job.k          ? q + at + row_bytes
-                          : n + 16 * NT < nend ? q + 16 * NT * w.row_stride
-                                               : nullptr;
-    if (next != nullptr)
-      for (int64_t o = 0; o < row_bytes; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T2);
+    if (more_k || n + 16 * NT < nend)
+      for (int64_t o = 0; o < pf_len; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(q + pf_off + o), _MM_HINT_T2);
     if (w.bits == 4)
       amx_int4_row<NT>(job, sg, n, q, k0, kc, dst);
     else
@@ -1431,6 +1436,8 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
             _tile_dpbf16ps(3, 5, 7);
           }
         }
+        // and the next block's stores into abuf after these loads
+        __asm__ volatile("" ::: "memory");
         if (mpairs > 1 && k0 + kAmxKc < K) {
           _tile_stored(0, cb, 64); _tile_stored(1, cb + 256, 64);
           _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64);
@@ -1453,9 +1460,10 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
   }
 }
 
-void amx_task(void* ctx, int64_t n0, int64_t n1) {
+void amx_task(void* ctx, int64_t b0, int64_t b1) {  // channel blocks [b0, b1)
   const AmxJob& job = *static_cast<const AmxJob*>(ctx);
   guarded(job.failed, [&] {
+    const int64_t n0 = b0 * job.nbk, n1 = std::min(b1 * job.nbk, job.n);
     const int64_t cols = n1 - n0;
     float* res = scratch(0, size_t(job.m * cols));
     {
@@ -1518,6 +1526,7 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
   job.n = N;
   job.k = K;
   job.mpad = M <= 16 ? 16 : (M + 31) / 32 * 32;
+  job.nbk = job.mpad > 16 ? 32 : 64;
   job.scale_in_weight = args.w.group_size != 0 && args.w.group_size < K;
   job.ep.act = args.activation;
   job.ep.c = args.y;
@@ -1534,14 +1543,13 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
   else
     xpack_task(&pj, 0, K / 2);
   job.xp = xp;
-  if (threads > 1 && N * K * (M + 1) >= (1 << 20)) {
-    const int64_t per = (N + threads - 1) / threads;
-    const int64_t nbk = job.mpad > 16 ? 32 : 64;  // channels per block (amx_rows)
-    exec.parallel_for(exec.self, 0, N, std::max<int64_t>(nbk, (per + nbk - 1) / nbk * nbk), amx_task,
-                      &job);
-  } else {
-    amx_task(&job, 0, N);
-  }
+  // Threads take whole channel blocks: a range cut inside a block would leave the block
+  // partly zero-filled on both sides.
+  const int64_t blocks = (N + job.nbk - 1) / job.nbk;
+  if (threads > 1 && N * K * (M + 1) >= (1 << 20))
+    exec.parallel_for(exec.self, 0, blocks, (blocks + threads - 1) / threads, amx_task, &job);
+  else
+    amx_task(&job, 0, blocks);
   return !job.failed.load();
 }
 #endif
