@@ -1266,17 +1266,10 @@ struct AmxJob {
   mutable std::atomic<bool> failed{false};
 };
 
-// The group of each 32-k step of a block, found once per block: per row and step, the
-// integer divisions cost more than the dequantisation itself (bench/CPU_NOTES.md 28).
-struct StepGroups {
-  int64_t g[kAmxSteps];
-};
-
 // The table for int4 (amx_int4_row): words 0-15 the 16 nibble values times s_lo, words
 // 16-31 times s_hi, in bf16 (the same rounding as converting q * s).
 PG_TARGET_AMX inline __m512i int4_table(float s_lo, float s_hi) {
-  // value of unsigned nibble u: u - 16 * (u >= 8)
-  const __m512 vals = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 vals = nibble_table();
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(vals, _mm512_set1_ps(s_hi)),
                                       _mm512_mul_ps(vals, _mm512_set1_ps(s_lo)));
 }
@@ -1289,7 +1282,7 @@ PG_TARGET_AMX inline __m512i int4_table(float s_lo, float s_hi) {
 // lookups, a shift and two ORs, where converting through fp32 took fourteen vector
 // operations, most of them on one port.
 template <int NT>
-PG_TARGET_AMX void amx_int4_row(const AmxJob& job, const StepGroups& sg, int64_t n,
+PG_TARGET_AMX void amx_int4_row(const AmxJob& job, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
   const QuantizedWeight& w = job.args->w;
   const bool gscale = job.scale_in_weight;
@@ -1299,9 +1292,9 @@ PG_TARGET_AMX void amx_int4_row(const AmxJob& job, const StepGroups& sg, int64_t
   int64_t glo = -1, ghi = -1;  // the groups the table is for (gscale)
   int64_t s = 0;
   for (; (s + 2) * 32 <= kc; s += 2) {
-    if (gscale && (sg.g[s] != glo || sg.g[s + 1] != ghi)) {
-      glo = sg.g[s];
-      ghi = sg.g[s + 1];
+    if (gscale && (g[s] != glo || g[s + 1] != ghi)) {
+      glo = g[s];
+      ghi = g[s + 1];
       lut = int4_table(scale_at(w, n, glo), scale_at(w, n, ghi));
     }
     const __m512i wv = _mm512_cvtepu8_epi16(
@@ -1315,7 +1308,7 @@ PG_TARGET_AMX void amx_int4_row(const AmxJob& job, const StepGroups& sg, int64_t
   }
   if (s * 32 < kc) {
     if (gscale) {
-      const float sc = scale_at(w, n, sg.g[s]);
+      const float sc = scale_at(w, n, g[s]);
       lut = int4_table(sc, sc);
     }
     const __m512i wv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(
@@ -1328,15 +1321,15 @@ PG_TARGET_AMX void amx_int4_row(const AmxJob& job, const StepGroups& sg, int64_t
 
 // int8: 32 k per step through fp32 (a group scale, if any, applied there).
 template <int NT>
-PG_TARGET_AMX void amx_int8_row(const AmxJob& job, const StepGroups& sg, int64_t n,
+PG_TARGET_AMX void amx_int8_row(const AmxJob& job, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
   const QuantizedWeight& w = job.args->w;
   const bool gscale = job.scale_in_weight;
   __m512 sv = _mm512_set1_ps(1.f);
   int64_t gcur = -1;
   for (int64_t s = 0; s < kc / 32; ++s) {
-    if (gscale && sg.g[s] != gcur) {
-      gcur = sg.g[s];
+    if (gscale && g[s] != gcur) {
+      gcur = g[s];
       sv = _mm512_set1_ps(scale_at(w, n, gcur));
     }
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 + s * 32));
@@ -1359,9 +1352,11 @@ template <int NT>
 PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int64_t k0,
                                int64_t kc, uint16_t* abuf) {
   const QuantizedWeight& w = job.args->w;
-  StepGroups sg;
+  // The group of each 32-k step (group scales only), found once per block: per row and
+  // step, the integer divisions cost more than the dequantisation (bench/CPU_NOTES.md 28).
+  int64_t g[kAmxSteps];
   if (job.scale_in_weight)
-    for (int64_t s = 0; s < kc / 32; ++s) sg.g[s] = (k0 + s * 32) / w.group_size;
+    for (int64_t s = 0; s < kc / 32; ++s) g[s] = (k0 + s * 32) / w.group_size;
   const int half = w.bits == 4;  // bytes = k >> half
   // what to prefetch: the row's next block, else the next channel block's first
   const bool more_k = k0 + kc < job.k;
@@ -1380,9 +1375,9 @@ PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int6
       for (int64_t o = 0; o < pf_len; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(q + pf_off + o), _MM_HINT_T2);
     if (w.bits == 4)
-      amx_int4_row<NT>(job, sg, n, q, k0, kc, dst);
+      amx_int4_row<NT>(job, g, n, q, k0, kc, dst);
     else
-      amx_int8_row<NT>(job, sg, n, q, k0, kc, dst);
+      amx_int8_row<NT>(job, g, n, q, k0, kc, dst);
   }
 }
 
