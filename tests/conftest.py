@@ -30,8 +30,8 @@ ALIGNED = [(64, 64, 64), (128, 256, 512), (256, 512, 128)]
 ODD = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (3, 4097, 129), (1, 4096, 3)]
 M_SWEEP = [(m, 96, 80) for m in range(1, 34)]
 LARGE_K = [(16, 8192, 64)]
-# Past every cache block of the CPU driver: more rows than one row block (2040 bf16 / 480
-# fp32) with a remainder that is not a multiple of the micro-kernel's 12 rows, K over two
+# Past every cache block of the CPU driver: more rows than one row block (2040 on AVX-512, 480
+# fp32 on AVX2) with a remainder that is not a multiple of the micro-kernel's 12 rows, K over two
 # kc blocks and odd, N over one column block (1024 bf16 / 512 fp32) per task.
 # The second: a single row block, so A's panels are packed for the first column block and
 # kept for the others. The third: the same with K % 32 == 0, which bf16 runs on the AMX

@@ -4,7 +4,7 @@
 # usage: python bench/probes/cpu_amx_probe.py TAG   (PGX_SKIP_WO=1: dense only; PGX_SKIP_DENSE=1;
 #        PGX_MS=1,16: the M of the weight-only part; PGX_NS=1024,2048: the dense sizes; PGX_THREADS;
 #        PGX_ROTATE=1: weights cycled over copies of > 128 MB, so that they stream from DRAM; PGX_SHAPES=4096x4096;
-#        PGX_INT4_ONLY=1; PGX_OURS_ONLY=1: our int4 and int8 only, for A/B between builds or settings)
+#        PGX_DENSE_DTYPE=float32: the dense part's dtype (bfloat16); PGX_INT4_ONLY=1; PGX_OURS_ONLY=1: our int4 and int8 only, for A/B between builds or settings)
 import os, sys, time
 import torch, torch.nn.functional as F
 import portable_gemm as pg
@@ -22,10 +22,11 @@ def rounds(fs, r=3):
         for k, f in fs.items(): res[k].append(t(f))
     return {k: min(v) for k, v in res.items()}
 for n in () if os.environ.get("PGX_SKIP_DENSE") else [int(v) for v in os.environ.get("PGX_NS", "256,512,1024,2048,4096").split(",")]:
-    a = torch.randn(n, n, dtype=torch.bfloat16); b = torch.randn(n, n, dtype=torch.bfloat16)
+    dt = getattr(torch, os.environ.get("PGX_DENSE_DTYPE", "bfloat16"))
+    a = torch.randn(n, n, dtype=dt); b = torch.randn(n, n, dtype=dt)
     r = rounds({"ours": lambda: pg.gemm(a, b), "torch": lambda: torch.matmul(a, b)})
     fl = 2 * n ** 3
-    print(f"{tag} gemm bf16 {n}: ours {fl / r['ours'] / 1e9:.0f} GFLOP/s, torch {fl / r['torch'] / 1e9:.0f}, ratio {r['torch'] / r['ours']:.2f}", flush=True)
+    print(f"{tag} gemm {dt} {n}: ours {fl / r['ours'] / 1e9:.0f} GFLOP/s, torch {fl / r['torch'] / 1e9:.0f}, ratio {r['torch'] / r['ours']:.2f}", flush=True)
 if os.environ.get("PGX_SKIP_WO"): sys.exit()
 def cycle(*ts):
     """Callable returning the tensors ts, or (PGX_ROTATE) the next of enough copies of them."""

@@ -716,7 +716,10 @@ const KernelSet& kernel_set() {
       s.nr = kAvx512NR;
       s.kc = 384;
       s.nc = 512;
-      s.mch = 480;
+      // Row chunks of up to 2040 (480 before): each chunk packs the B panels again. On
+      // the AVX-512 host of bench/CPU_NOTES.md 29, fp32 4096 went from 0.82-0.83 to
+      // 0.92-0.97x torch.matmul, 1024 and 2048 the same within the host's noise.
+      s.mch = 2040;
       s.kern[1] = kern_avx512<1>; s.kern[2] = kern_avx512<2>; s.kern[3] = kern_avx512<3>;
       s.kern[4] = kern_avx512<4>; s.kern[5] = kern_avx512<5>; s.kern[6] = kern_avx512<6>;
       s.kern[7] = kern_avx512<7>; s.kern[8] = kern_avx512<8>; s.kern[9] = kern_avx512<9>;
@@ -1001,7 +1004,10 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   const int64_t npc = K <= ks.kc_whole ? 1 : (K + ks.kc - 1) / ks.kc;
   const int64_t kcb = round_up((K + npc - 1) / npc, ks.amx ? 32 : 4);  // AMX: K % 32 == 0
   const int64_t ncb = std::min(ks.nc, round_up(n_hi - n_lo, nr));
-  const int64_t mchb = std::min(ks.mch, round_up(m_hi - m_lo, mr));
+  // Row chunks of even size: 2048 rows become 2 x 1032, not 2040 + 8 (each chunk packs
+  // the B panels again).
+  const int64_t nmch = (m_hi - m_lo + ks.mch - 1) / ks.mch;
+  const int64_t mchb = std::min(ks.mch, round_up((m_hi - m_lo + nmch - 1) / nmch, mr));
   // Panel rows: k for fp32 panels, pairs of k for bf16 pair panels (32-bit units).
   const bool pairs = ks.bf16_pairs;
   const int64_t kub = pairs ? (kcb + 1) / 2 : kcb;
