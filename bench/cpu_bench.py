@@ -376,11 +376,21 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
                 + why)
     if targets:
         worst = max(abs(v - 1) for v in targets["ratios"].values())
+        # Each side's fastest round as well: a process can run at about half speed as a whole
+        # (both sides showed it on the AMX host, bench/CPU_NOTES.md 29), which a median of
+        # per-round ratios does not cancel. The verdict stays on the median.
+        raw = targets["raw"]
+        best = {k: min(o[k] for o in raw["other"]) / min(d[k] for d in raw["default"]) for k in targets["ratios"]}
+        worst_best = max(abs(v - 1) for v in best.values())
         row(f"target {targets['target']} (own pool) within 10% of {meta['target']} (torch's pool); "
-            f"time {targets['target']} / time {meta['target']}, median of {len(targets['raw']['other'])} "
+            f"time {targets['target']} / time {meta['target']}, median of {len(raw['other'])} "
             "alternating rounds",
-            ", ".join(f"{k}: {v:.2f}x" for k, v in targets["ratios"].items()), worst <= 0.10,
-            "the two pools' scheduling of these calls (the kernels are the same code)")
+            ", ".join(f"{k}: {v:.2f}x" for k, v in targets["ratios"].items())
+            + "; fastest round of each side: " + ", ".join(f"{v:.2f}x" for v in best.values()),
+            worst <= 0.10,
+            "the two pools' scheduling of these calls (the kernels are the same code)"
+            + (f"; the fastest rounds are within {worst_best:.0%}, and slow rounds of either side run at up to "
+               "half speed throughout the process (the raw times in the JSON)" if worst_best <= 0.10 else ""))
     return out
 
 
