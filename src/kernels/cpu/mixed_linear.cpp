@@ -1384,72 +1384,58 @@ PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int6
 // Channels [n0, n1) of the thread, all rows of x: writes res[m * ldr + (n - n0)]. Tiles:
 // MT * NT accumulators of 16 channels x 16 rows of x (MT * NT = 4), A (weight) tiles 4 and
 // 5, B (x) tiles 6 and 7. Up to 16 rows (MT = 1) a block has 64 channels (NT = 4), so each
-// B tile serves four products; with 32 rows, 32 channels by 2 x 2.
+// B tile serves four products; with 32 rows, 32 channels by 2 x 2. All rows of x (at most
+// kAmxMaxM = 32, so mpad = 16 MT) fit the accumulators: they stay in the tiles for the
+// whole of K.
 template <int MT, int NT>
 PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* res,
                             int64_t ldr) {
   static_assert(MT * NT == 4, "four accumulator tiles");
   const QuantizedWeight& w = job.args->w;
   const int64_t K = job.k;
-  const int64_t mpairs = job.mpad / (16 * MT);
   const int64_t bstride = job.mpad * 4;  // bytes per k-pair row of xp
   uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(6, size_t(kAmxSteps * NT * 512 / 2)));
-  float* cbuf = scratch(7, size_t(mpairs * 4 * 256));
   alignas(64) float ctile[4][256];
   for (int64_t nb = n0; nb < n1; nb += 16 * NT) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t k0 = 0; k0 < K; k0 += kAmxKc) {
       const int64_t kc = std::min(kAmxKc, K - k0);
       amx_dequant<NT>(job, nb, n1, k0, kc, abuf);
       // GCC's _tile_loadd has no memory operand: keep the stores above before the loads.
       __asm__ volatile("" ::: "memory");
-      for (int64_t mp = 0; mp < mpairs; ++mp) {
-        float* cb = cbuf + mp * 4 * 256;
-        if (k0 == 0) {
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        } else if (mpairs > 1) {
-          _tile_loadd(0, cb, 64); _tile_loadd(1, cb + 256, 64);
-          _tile_loadd(2, cb + 512, 64); _tile_loadd(3, cb + 768, 64);
+      const char* xb = reinterpret_cast<const char*>(job.xp) + (k0 / 2) * bstride;
+      for (int64_t s = 0; s < kc / 32; ++s) {
+        const uint16_t* a = abuf + s * NT * 512;
+        const char* b = xb + s * 16 * bstride;
+        _tile_loadd(6, b, bstride);
+        _tile_loadd(4, a, 64);
+        _tile_loadd(5, a + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (NT == 4) {
+          _tile_loadd(4, a + 1024, 64);
+          _tile_loadd(5, a + 1536, 64);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_dpbf16ps(3, 5, 6);
+        } else {
+          _tile_loadd(7, b + 64, bstride);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
         }
-        const char* xb = reinterpret_cast<const char*>(job.xp + mp * MT * 32) +
-                         (k0 / 2) * bstride;
-        for (int64_t s = 0; s < kc / 32; ++s) {
-          const uint16_t* a = abuf + s * NT * 512;
-          const char* b = xb + s * 16 * bstride;
-          _tile_loadd(6, b, bstride);
-          _tile_loadd(4, a, 64);
-          _tile_loadd(5, a + 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 5, 6);
-          if (NT == 4) {
-            _tile_loadd(4, a + 1024, 64);
-            _tile_loadd(5, a + 1536, 64);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_dpbf16ps(3, 5, 6);
-          } else {
-            _tile_loadd(7, b + 64, bstride);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        // and the next block's stores into abuf after these loads
-        __asm__ volatile("" ::: "memory");
-        if (mpairs > 1 && k0 + kAmxKc < K) {
-          _tile_stored(0, cb, 64); _tile_stored(1, cb + 256, 64);
-          _tile_stored(2, cb + 512, 64); _tile_stored(3, cb + 768, 64);
-        }
-        if (k0 + kAmxKc >= K) {  // last block: results out, transposed and scaled
-          _tile_stored(0, ctile[0], 64); _tile_stored(1, ctile[1], 64);
-          _tile_stored(2, ctile[2], 64); _tile_stored(3, ctile[3], 64);
-          for (int t = 0; t < 4; ++t) {
-            const int64_t nbase = nb + (t % NT) * 16;
-            const int64_t mbase = mp * MT * 16 + (t / NT) * 16;
-            for (int i = 0; i < 16 && nbase + i < n1; ++i) {
-              const float s = job.scale_in_weight ? 1.f : scale_at(w, nbase + i, 0);
-              for (int j = 0; j < 16 && mbase + j < job.m; ++j)
-                res[(mbase + j) * ldr + (nbase + i - n0)] = ctile[t][i * 16 + j] * s;
-            }
-          }
-        }
+      }
+      // and the next block's stores into abuf after these loads
+      __asm__ volatile("" ::: "memory");
+    }
+    // results out, transposed and scaled
+    _tile_stored(0, ctile[0], 64); _tile_stored(1, ctile[1], 64);
+    _tile_stored(2, ctile[2], 64); _tile_stored(3, ctile[3], 64);
+    for (int t = 0; t < 4; ++t) {
+      const int64_t nbase = nb + (t % NT) * 16;
+      const int64_t mbase = (t / NT) * 16;
+      for (int i = 0; i < 16 && nbase + i < n1; ++i) {
+        const float sc = job.scale_in_weight ? 1.f : scale_at(w, nbase + i, 0);
+        for (int j = 0; j < 16 && mbase + j < job.m; ++j)
+          res[(mbase + j) * ldr + (nbase + i - n0)] = ctile[t][i * 16 + j] * sc;
       }
     }
   }
