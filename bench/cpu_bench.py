@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import portable_gemm as pg
+import target_rounds  # bench/target_rounds.py, next to this file
 
 DENSE_SIZES = [256, 512, 1024, 2048, 4096]
 WEIGHT_SHAPES = [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (8192, 8192), (8192, 28672)]
@@ -286,7 +287,11 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
                 ", ".join(f"{r['size']}: {r['ratio']:.2f}x" for r in rs), worst >= 0.9,
                 f"ours {max(r['ours_GFLOPs'] for r in rs):.0f} vs torch {best_torch:.0f} GFLOP/s on 2 cores"
                 + ("; the micro-kernel alone runs at the vdpbf16ps peak (CPU_NOTES 9), the rest is packing "
-                   "and blocking" if dt == "bfloat16" else ""))
+                   "and blocking" if dt == "bfloat16" else
+                   f"; against torch's fastest fp32 GEMM here as the ceiling ours runs at "
+                   f"{max(r['ours_GFLOPs'] for r in rs) / best_torch:.0%} of it: the FMA rate of our "
+                   f"{'12x32' if 'avx512' in meta.get('isa', '') else '6x16'} micro-kernel (cache-block and "
+                   "row-chunk sweeps and a prefetch of its partial sums did not move it, bench/CPU_NOTES.md 29, 30)"))
 
     def gflops(r):
         return 2 * r["M"] * r["N"] * r["K"] / (r["ours_ms"] * 1e-3) / 1e9
@@ -417,24 +422,9 @@ print("PROBE" + json.dumps(res))
 
 
 def compare_targets(other: str, threads: int, rounds: int = 7) -> dict:
-    """Time a few cases under `other` and under the default target, each in its own
-    interpreter (the target is chosen at import), alternating for `rounds` rounds in this
-    run; the ratio per case is the median over rounds of other / default (a noisy
-    neighbour then hits both sides of a round alike)."""
-    raw: dict[str, list] = {"default": [], "other": []}
-    for r in range(rounds):
-        for label, env_target in (("default", None), ("other", other)):
-            env = dict(os.environ)
-            env.pop("PORTABLE_GEMM_TARGET", None)
-            if env_target:
-                env["PORTABLE_GEMM_TARGET"] = env_target
-            proc = subprocess.run([sys.executable, "-c", TARGET_PROBE, str(Path(__file__).parent), str(threads)],
-                                  capture_output=True, text=True, env=env, check=True)
-            raw[label].append(json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE"))[5:]))
-        print(f"  target comparison round {r + 1}/{rounds} done", flush=True)
-    keys = [k for k in raw["default"][0] if k != "target"]
-    ratios = {k: statistics.median(o[k] / d[k] for o, d in zip(raw["other"], raw["default"])) for k in keys}
-    return {"target": raw["other"][0]["target"], "ratios": ratios, "raw": raw}
+    """TARGET_PROBE's cases under `other` against the default target, `rounds` alternating
+    rounds (target_rounds.alternate: median of the per-round ratios)."""
+    return target_rounds.alternate(TARGET_PROBE, [str(Path(__file__).parent), str(threads)], other, rounds)
 
 
 def plot(wo: list[dict], bw: float, path: Path) -> None:

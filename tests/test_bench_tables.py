@@ -111,3 +111,25 @@ def test_gpu_goals_follow_the_numbers(benches):
         t = {r["M"]: r["ours_us"] for r in wo if (r["K"], r["N"], r["bits"], r["group"]) == key}
         flat.append(t[16] / t[1])
     assert met(rows["M=16 within 1.3x of M=1 (every shape and scheme)"]) == (max(flat) <= 1.3)
+
+
+PROBE_ECHOES_TARGET = r"""
+import json, os
+t = os.environ.get("PORTABLE_GEMM_TARGET", "2.11")
+print("noise")
+print("PROBE" + json.dumps({"target": t, "case": 2.0 if t == "2.9" else 1.0, "other": 3.0}))
+"""
+
+
+def test_target_rounds_alternate_sets_the_target_per_side():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import target_rounds
+    finally:
+        sys.path.remove(str(BENCH))
+    res = target_rounds.alternate(PROBE_ECHOES_TARGET, [], "2.9", rounds=2)
+    assert (res["target"], res["default_target"]) == ("2.9", "2.11")
+    assert res["ratios"] == {"case": 2.0, "other": 1.0}  # text fields are not ratios
+    assert len(res["raw"]["default"]) == len(res["raw"]["other"]) == 2
+    with pytest.raises(RuntimeError, match="exit 3"):
+        target_rounds.alternate("raise SystemExit(3)", [], "2.9", rounds=1)

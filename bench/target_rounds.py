@@ -1,0 +1,35 @@
+"""Target comparison shared by the CPU and GPU benchmarks: a probe script timed under another
+`PORTABLE_GEMM_TARGET` and under the default one, each in its own interpreter (the loader
+picks the target at import), alternating in one run."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def alternate(probe: str, argv: list[str], other: str, rounds: int) -> dict:
+    """Runs `python -c probe *argv` under the default target and under `other`, alternating
+    for `rounds` rounds. The probe prints one line `PROBE{json}`: case -> seconds (numbers),
+    plus text fields such as the target it loaded. The ratio per case is the median over
+    rounds of other / default (a noisy neighbour then hits both sides of a round alike)."""
+    raw: dict[str, list] = {"default": [], "other": []}
+    for r in range(rounds):
+        for label, env_target in (("default", None), ("other", other)):
+            env = dict(os.environ)
+            env.pop("PORTABLE_GEMM_TARGET", None)
+            if env_target:
+                env["PORTABLE_GEMM_TARGET"] = env_target
+            proc = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                raise RuntimeError(f"target probe ({label}, {env_target or 'default'}) failed with "
+                                   f"exit {proc.returncode}:\n{proc.stderr[-2000:]}")
+            raw[label].append(json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE"))[5:]))
+        print(f"  target comparison round {r + 1}/{rounds} done", flush=True)
+    keys = [k for k, v in raw["default"][0].items() if isinstance(v, (int, float))]
+    ratios = {k: statistics.median(o[k] / d[k] for o, d in zip(raw["other"], raw["default"])) for k in keys}
+    return {"target": raw["other"][0]["target"], "default_target": raw["default"][0]["target"],
+            "ratios": ratios, "raw": raw}
