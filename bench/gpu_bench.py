@@ -294,7 +294,7 @@ print("PROBE" + json.dumps(res))
 TARGET_TOLERANCE = 0.05
 
 
-def compare_targets(other: str, rounds: int = 5) -> dict:
+def compare_targets(other: str, rounds: int = 15) -> dict:
     """TARGET_PROBE's cases under `other` against the default target, `rounds` alternating
     rounds (target_rounds.alternate: median of the per-round ratios)."""
     return target_rounds.alternate(TARGET_PROBE, [str(Path(__file__).parent)], other, rounds)
@@ -391,11 +391,22 @@ def goals(result: dict) -> list[str]:
         ratios = tg["ratios"]
         worst = max(ratios.values(), key=lambda v: abs(v - 1))
         rounds = len(tg["raw"]["default"])
+        # Each side's fastest round as well: eager times of these short calls are the host's
+        # launch path and bimodal on this machine (14.8 or 21-25 us for the same call on either
+        # target, run 44b), which a median of 5 per-round ratios did not cancel. The verdict
+        # stays on the median.
+        best = {k: min(o[k] for o in tg["raw"]["other"]) / min(d[k] for d in tg["raw"]["default"]) for k in ratios}
+        worst_best = max(best.values(), key=lambda v: abs(v - 1))
         row(f"the same numbers under targets {tg['target']} and {tg['default_target']} "
             f"(time {tg['target']} / time {tg['default_target']}, median of {rounds} alternating rounds, "
             f"within {TARGET_TOLERANCE:.0%})",
-            ", ".join(f"{k}: {v:.3f}" for k, v in ratios.items()), abs(worst - 1) <= TARGET_TOLERANCE,
-            f"{worst:.3f}: the two targets run the same kernels; only the host path differs")
+            ", ".join(f"{k}: {v:.3f}" for k, v in ratios.items())
+            + f"; fastest round of each side: {min(best.values()):.3f}-{max(best.values()):.3f}",
+            abs(worst - 1) <= TARGET_TOLERANCE,
+            f"{worst:.3f} (fastest rounds {worst_best:.3f}): the two targets run the same kernels, and graph "
+            "replay (device time alone) is within "
+            f"{max(abs(v - 1) for k, v in ratios.items() if k.endswith('graph')):.1%}; the eager times are the "
+            "host's launch path, bimodal on either side (the raw times in the JSON)")
     big = [r["speedup_vs_bf16"] for r in wo if r["M"] >= 1024]
     if big:
         row("weight-only M >= 1024 >= 0.8x bf16 F.linear", f"x{_span(big)}", min(big) >= 0.8,
@@ -415,6 +426,20 @@ def markdown(result: dict) -> str:
              f"Ceilings measured in this run: copy **{ceil['copy_TBps']:.2f} TB/s** (2 GiB, read + write), "
              f"cuBLAS bf16 8192³ **{ceil['cublas_bf16_8192_TFLOPs']:.0f} TFLOP/s**.", "", "## Goals (issue 7)", ""]
     lines += goals(result)
+    sb = result.get("stream_branch")
+    if sb:
+        # Measured in a separate call on the same wheel (a CUDA torch 2.13 is not on the GPU
+        # machine's image): the 2.13 target gets the stream by Stream::nativeHandle, 2.11 (and
+        # 2.9, 2.10, 2.12) by the aoti_torch_get_current_cuda_stream shim.
+        raw = sb["raw"]
+        lines += ["", f"## The CUDA stream branch: target {sb['target']} ({raw['other'][0]['stream_api']}) against "
+                  f"{sb['default_target']} ({raw['default'][0]['stream_api']}) on the same torch {sb['torch']}", "",
+                  f"{sb['note']}; time {sb['target']} / time {sb['default_target']}, median of "
+                  f"{len(raw['default'])} alternating rounds:", "",
+                  "| case | ratio | fastest round of each side |", "|---|---|---|"]
+        for k, v in sb["ratios"].items():
+            fastest = min(o[k] for o in raw["other"]) / min(d[k] for d in raw["default"])
+            lines.append(f"| {k} | {v:.3f} | {fastest:.3f} |")
     lines += ["", "## Weight-only, M <= 16 (bf16 x; ratios against bf16 F.linear in the same run)", "",
               "| K | N | scheme | M | ours us | graph us | bf16 us | graph us | x eager | x graph | TB/s (graph) | of copy | of read ceiling |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -477,11 +502,20 @@ def main() -> int:
     ap.add_argument("--skip-weight-only", action="store_true")
     ap.add_argument("--compare-target", default="2.9",
                     help="also time a few cases under this target vs the default, alternating; '' to skip")
+    ap.add_argument("--target-rounds", type=int, default=15, help="alternating rounds of the target comparison")
+    ap.add_argument("--targets-only", metavar="JSON",
+                    help="only the target comparison, written to JSON (e.g. under a CUDA torch 2.13 with "
+                         "--compare-target 2.11: the stream branch, nativeHandle against the shim)")
+    ap.add_argument("--stream-branch", metavar="JSON",
+                    help="attach a --targets-only result (run under torch >= 2.13) to this run's or --render's table")
     ap.add_argument("--render", metavar="JSON", help="rewrite the .md and .png next to JSON from its measurements")
     args = ap.parse_args()
     if args.render:
         path = Path(args.render)
         result = json.loads(path.read_text())
+        if args.stream_branch:
+            result["stream_branch"] = json.loads(Path(args.stream_branch).read_text())
+            path.write_text(json.dumps(result, indent=1))
         path.with_suffix(".md").write_text(markdown(result))
         if result["weight_only"]:
             plot(result["weight_only"], result["ceilings"], path.with_suffix(".png"))
@@ -489,6 +523,17 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device", file=sys.stderr)
         return 2
+    if args.targets_only:
+        if not args.compare_target:
+            ap.error("--targets-only needs --compare-target")
+        print(f"target {args.compare_target} against the default ({pg.info()['target']}), torch {torch.__version__}:")
+        tg = compare_targets(args.compare_target, args.target_rounds)
+        tg["torch"] = torch.__version__
+        tg["note"] = (f"{torch.cuda.get_device_name()}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}, "
+                      f"commit {os.environ.get('PG_COMMIT', 'unknown')}")
+        Path(args.targets_only).write_text(json.dumps(tg, indent=1))
+        print("  " + ", ".join(f"{k} {v:.3f}" for k, v in tg["ratios"].items()))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -506,9 +551,11 @@ def main() -> int:
     targets = None
     if args.compare_target:
         print(f"target {args.compare_target} against the default ({meta['target']}):")
-        targets = compare_targets(args.compare_target)
+        targets = compare_targets(args.compare_target, args.target_rounds)
         print("  " + ", ".join(f"{k} {v:.3f}" for k, v in targets["ratios"].items()))
     result = {"meta": meta, "ceilings": ceil, "weight_only": wo, "dense": dense, "targets": targets}
+    if args.stream_branch:
+        result["stream_branch"] = json.loads(Path(args.stream_branch).read_text())
     (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
     (out / "gpu_bench.md").write_text(markdown(result))
     print("\n".join(["", "goals:"] + goals(result)))
