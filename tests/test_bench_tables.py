@@ -133,3 +133,21 @@ def test_target_rounds_alternate_sets_the_target_per_side():
     assert len(res["raw"]["default"]) == len(res["raw"]["other"]) == 2
     with pytest.raises(RuntimeError, match="exit 3"):
         target_rounds.alternate("raise SystemExit(3)", [], "2.9", rounds=1)
+
+
+def test_gpu_target_row_follows_the_rounds(benches):
+    """The targets row's verdict is the median of the per-round ratios within the tolerance,
+    recomputed here from the raw per-process times."""
+    _, gpu_bench = benches
+    d = json.loads((RESULTS / "gpu_bench_final.json").read_text())
+    tg = d["targets"]
+    rows = goal_rows(gpu_bench.markdown(d))
+    cells = next(c for g, c in rows.items() if g.startswith("the same numbers under targets"))
+    medians = {k: statistics.median(o[k] / r[k] for o, r in zip(tg["raw"]["other"], tg["raw"]["default"]))
+               for k in tg["ratios"]}
+    assert medians == pytest.approx(tg["ratios"])
+    assert met(cells) == all(abs(v - 1) <= gpu_bench.TARGET_TOLERANCE for v in medians.values())
+    for k, v in medians.items():
+        assert f"{k}: {v:.3f}" in cells[1]
+    if not met(cells):
+        assert cells[3], "a missed goal states its bound"
