@@ -385,7 +385,7 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
         # (both sides showed it on the AMX host, bench/CPU_NOTES.md 29), which a median of
         # per-round ratios does not cancel. The verdict stays on the median.
         raw = targets["raw"]
-        best = {k: min(o[k] for o in raw["other"]) / min(d[k] for d in raw["default"]) for k in targets["ratios"]}
+        best = target_rounds.fastest(targets)
         worst_best = max(abs(v - 1) for v in best.values())
         row(f"target {targets['target']} (own pool) within 10% of {meta['target']} (torch's pool); "
             f"time {targets['target']} / time {meta['target']}, median of {len(raw['other'])} "

@@ -13,7 +13,7 @@ import sys
 
 def alternate(probe: str, argv: list[str], other: str, rounds: int) -> dict:
     """Runs `python -c probe *argv` under the default target and under `other`, alternating
-    for `rounds` rounds. The probe prints one line `PROBE{json}`: case -> seconds (numbers),
+    for `rounds` rounds. The probe prints one line `PROBE{json}`: case -> time (a number, one unit),
     plus text fields such as the target it loaded. The ratio per case is the median over
     rounds of other / default (a noisy neighbour then hits both sides of a round alike)."""
     raw: dict[str, list] = {"default": [], "other": []}
@@ -33,3 +33,11 @@ def alternate(probe: str, argv: list[str], other: str, rounds: int) -> dict:
     ratios = {k: statistics.median(o[k] / d[k] for o, d in zip(raw["other"], raw["default"])) for k in keys}
     return {"target": raw["other"][0]["target"], "default_target": raw["default"][0]["target"],
             "ratios": ratios, "raw": raw}
+
+
+def fastest(result: dict) -> dict:
+    """Per case, each side's fastest round against the other's: other / default. A process can
+    run slow as a whole (seen on both sides, CPU and GPU hosts), which a median of per-round
+    ratios does not cancel; the fastest rounds show what the code itself costs."""
+    raw = result["raw"]
+    return {k: min(o[k] for o in raw["other"]) / min(d[k] for d in raw["default"]) for k in result["ratios"]}

@@ -132,6 +132,8 @@ def test_target_rounds_alternate_sets_the_target_per_side():
     assert (res["target"], res["default_target"]) == ("2.9", "2.11")
     assert res["ratios"] == {"case": 2.0, "other": 1.0}  # text fields are not ratios
     assert len(res["raw"]["default"]) == len(res["raw"]["other"]) == 2
+    res["raw"]["other"][1]["case"] = 1.5  # a faster round on one side shows in the fastest-round ratio
+    assert target_rounds.fastest(res) == {"case": 1.5, "other": 1.0}
     with pytest.raises(RuntimeError, match="exit 3"):
         target_rounds.alternate("raise SystemExit(3)", [], "2.9", rounds=1)
 
