@@ -362,6 +362,11 @@ int main() {
   for (int bits : {8, 4})
     for (int64_t gs : {0, 32, 128})
       for (int64_t M : {1, 16, 17, 40, 70}) test_mixed(M, 100, 640, bits, gs, DType::bf16);
+  // bf16 x over several K passes of the vdpbf16ps tile path (1024 k each), a partial last
+  // one, and per channel a tail past the last whole block.
+  for (int bits : {8, 4})
+    for (int64_t gs : {0, 128})
+      for (int64_t M : {3, 8, 16, 24}) test_mixed(M, 37, gs ? 2560 : 2600, bits, gs, DType::bf16);
   for (int bits : {8, 4})
     for (int64_t gs : {0, 32, 128}) test_quantize_roundtrip(bits, gs);
   test_validation();

@@ -47,7 +47,11 @@ namespace {
 // ties at 32 (bench/CPU_NOTES.md, 15 and 19).
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kSmallMPairs = 16;
-constexpr int64_t kTileKc = 512;  // k per pass of small_rows_tile
+// k per pass of small_rows_tile: 1024 rather than 512 halves the passes, each of which loads
+// and stores its 4 x MB partial sums; the weights' bf16 copy (8 KB) and a chunk of x (8 KB)
+// still sit in L1. On the Zen 5 VM of bench/CPU_NOTES.md 34: int8 M = 16 1.16x and int4 g128
+// 1.06x faster at 4096^2, rows of x from 3 to 32 none slower beyond the rounds' spread.
+constexpr int64_t kTileKc = 1024;
 
 bool has_bf16_x_pairs(const MixedLinearArgs& a) {
   return a.x.dtype == DType::bf16 && has_bf16_pair_kernels();
@@ -820,7 +824,7 @@ void small_rows_nib(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
 // split like a small GEMM. Per block of 4 weight rows, K goes in chunks of kTileKc k; the
 // first chunk of up to 4 rows of x unpacks the weights to exact bf16 (int4: a shift and
 // one vpermw lookup per 32 weights; int8: through fp32) on the way and stores them in a
-// 4 KB L1 buffer, from which every further chunk of rows of x reads them. Each chunk runs
+// 8 KB L1 buffer, from which every further chunk of rows of x reads them. Each chunk runs
 // a 4 x MB register tile of vdpbf16ps (one load of x feeds 4, one load of weights MB).
 // q itself is the bf16 value, so there are no offsets and no seeds. Group scales: each
 // group's 16-lane partial sums go into fp32 sums in memory (4 MB vectors, next to the
@@ -1167,16 +1171,20 @@ void prepare_tile(const MixedLinearArgs& args, SmallJob& job) {
   job.ngroups = args.w.group_size > 0 ? K / args.w.group_size : 1;
   job.ldxt = job.kvec + 32;  // + one cache line: rows of x in different L1 sets
   uint16_t* xt = reinterpret_cast<uint16_t*>(scratch(1, size_t(M * job.ldxt / 2 + 16)));
+  // job.x holds exact copies of bf16 values (the tile path takes bf16 x only): the high
+  // half of each float is the bf16 word. Taken as it is, without f32_to_bf16's rounding
+  // and NaN branch, the copy of 16 rows at K = 4096 took 0.009 ms instead of 0.023
+  // (bench/CPU_NOTES.md 34).
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = job.x + m * job.ldx;
     uint16_t* d = xt + m * job.ldxt;
     if (!int4) {
-      for (int64_t k = 0; k < job.kvec; ++k) d[k] = f32_to_bf16(xm[k]);
+      for (int64_t k = 0; k < job.kvec; ++k) d[k] = uint16_t(f32_to_bits(xm[k]) >> 16);
       continue;
     }
     for (int64_t b = 0; b < job.kvec; b += 128)
       for (int j = 0; j < 4; ++j)
-        for (int i = 0; i < 32; ++i) d[b + 32 * j + i] = f32_to_bf16(xm[b + 4 * i + j]);
+        for (int i = 0; i < 32; ++i) d[b + 32 * j + i] = uint16_t(f32_to_bits(xm[b + 4 * i + j]) >> 16);
   }
   job.xt = xt;
 }
