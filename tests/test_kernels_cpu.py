@@ -30,20 +30,61 @@ def test_binary(tmp_path_factory):
 
 def cpu_has(flag: str) -> bool:
     try:
-        return f" {flag}" in Path("/proc/cpuinfo").read_text()
+        return flag in Path("/proc/cpuinfo").read_text().split()  # whole words: avx512f is not avx512fp16
     except OSError:
         return False
 
 
-@pytest.mark.parametrize("isa", ["native", "avx512", "avx2", "generic"])
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what the dispatcher asks for
+
+
+def expected_isa_names(isa: str) -> set[str]:
+    """What the binary's first line (`isa: NAME, threads: ...`, cpu::isa()) must name when run
+    with PORTABLE_GEMM_ISA=isa ("native": unset) on this CPU, its flags read independently
+    from /proc/cpuinfo; skips where the request is above what the CPU has (the dispatcher
+    then quietly takes a lower path, which the run would not test)."""
+    avx512 = all(cpu_has(f) for f in AVX512_FLAGS)
+    bf16 = avx512 and cpu_has("avx512_bf16")
+    amx = bf16 and cpu_has("amx_bf16") and cpu_has("amx_tile")
+    need = {"avx2": cpu_has("avx2") and cpu_has("fma"), "avx512": avx512, "avx512_bf16": bf16}
+    if not need.get(isa, True):
+        pytest.skip(f"PORTABLE_GEMM_ISA={isa} asks for more than this CPU has (no {isa}): the "
+                    "dispatcher would fall back to a lower path")
+    if isa == "generic":
+        return {"generic"}
+    if isa == "avx2":
+        return {"avx2"}
+    if isa == "avx512":  # the fp32-conversion path: no bf16 pair kernels, no AMX
+        return {"avx512"}
+    if isa == "avx512_bf16":  # the bf16 pair (vdpbf16ps) kernels, no AMX
+        return {"avx512+bf16"}
+    assert isa == "native", isa
+    if not avx512:
+        return {"avx2"} if need["avx2"] else {"generic"}
+    if not bf16:
+        return {"avx512"}
+    if not amx:
+        return {"avx512+bf16"}
+    # Linux grants the AMX tile state on request from 5.16 on; an older kernel may refuse it
+    major, minor = (int(v) for v in re.findall(r"\d+", os.uname().release)[:2])
+    return {"avx512+bf16+amx"} if (major, minor) >= (5, 16) else {"avx512+bf16+amx", "avx512+bf16"}
+
+
+@pytest.mark.parametrize("isa", ["native", "avx512_bf16", "avx512", "avx2", "generic"])
 def test_kernel_library_cpp(test_binary, isa):
-    if isa in ("avx512", "avx2") and not cpu_has({"avx512": "avx512f", "avx2": "avx2"}[isa]):
-        pytest.skip(f"this CPU has no {isa}")
+    want = expected_isa_names(isa)
     env = dict(os.environ)
+    env.pop("PORTABLE_GEMM_ISA", None)
     if isa != "native":
         env["PORTABLE_GEMM_ISA"] = isa
     proc = subprocess.run([str(test_binary)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    first = proc.stdout.splitlines()[0] if proc.stdout else ""
+    got = re.match(r"isa: ([^,]+), threads: ", first)
+    assert got, f"first line is not `isa: NAME, threads: ...`: {first!r}"
+    assert got.group(1) in want, f"PORTABLE_GEMM_ISA={isa}: the kernels ran {got.group(1)!r}, expected " \
+                                 f"{' or '.join(sorted(want))} on this CPU"
+    assert "all passed" in proc.stdout, proc.stdout[-500:]
 
 
 def kernel_sources_without_cuda() -> list[Path]:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import (ACTIVATIONS, DEVICES, M_SWEEP, assert_close, act_ref, dequant_ref, rand,
+from conftest import (ACTIVATIONS, DEVICES, M_SWEEP, TOL, assert_close, act_ref, dequant_ref, rand,
                       strided_variants, unpack_int4_ref)
 
 import portable_gemm as pg
@@ -10,7 +10,6 @@ import portable_gemm as pg
 SCHEMES = [(8, None), (8, 32), (8, 128), (4, None), (4, 64), (4, 128)]
 SCHEME_IDS = [f"int{b}-g{g or 'chan'}" for b, g in SCHEMES]
 X_DTYPES = {"cpu": [torch.float32, torch.float16, torch.bfloat16], "cuda": [torch.float16, torch.bfloat16]}
-ML_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 
 
 def quantize_ref(w: torch.Tensor, bits: int, group_size):
@@ -61,6 +60,47 @@ def test_exact_weights_round_trip(device, bits, group):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (8, 128), (4, None), (4, 32), (4, 128)],
+                         ids=lambda v: str(v))
+def test_dequantize_weight_matches_reference(device, sdtype, bits, group):
+    # Every byte value of qweight (int8 -128..127; int4 both nibbles -8..7) with random
+    # scales (randn: full fp32 mantissas and negatives; every fifth 0), odd N. Exact: q * s is exact in fp64
+    # (dequant_ref) and, for fp16 / bf16 scales (<= 11 + 8 significant bits), in fp32 too,
+    # so every output dtype is one correct rounding of the exact product. For fp32 scales the
+    # fp32 product is that product rounded once to fp32 (IEEE multiplication), hence equal to
+    # dequant_ref rounded to fp32; that rounding is then all that float64 output differs by
+    # (<= 2^-24 relative). fp16 / bf16 output from fp32 scales rounds twice (fp32, then the
+    # narrow dtype) and is not checked here.
+    for n, k in [(1, 128), (7, 256), (33, 384), (64, 128)]:
+        nbytes = k if bits == 8 else k // 2
+        q = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8)
+        q.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[:q.numel()]
+        if bits == 8:
+            q = q.view(torch.int8)
+        groups = k // group if group else 1
+        s = torch.randn(n, groups) * 0.01
+        s.view(-1)[::5] = 0
+        s = (s if group else s[:, 0]).to(sdtype)
+        q, s = q.to(device), s.to(device)
+        exact = dequant_ref(q.cpu(), s.cpu(), bits, group)
+        out_dtypes = [None, torch.float32, torch.float64] + ([] if sdtype == torch.float32 else
+                                                              [torch.float16, torch.bfloat16])
+        for dtype in out_dtypes:
+            got = pg.dequantize_weight(q, s, bits=bits, group_size=group, dtype=dtype)
+            want_dtype = dtype or sdtype
+            label = f"N={n} K={k} scales {sdtype} out {want_dtype}"
+            assert got.dtype == want_dtype and got.shape == (n, k) and got.device == q.device, label
+            got = got.cpu()
+            if sdtype == torch.float32:
+                want = exact.to(torch.float32).to(want_dtype)
+                assert ((got.double() - exact).abs() <= 2.0 ** -24 * exact.abs()).all(), label
+            else:
+                want = exact.to(want_dtype)
+            assert torch.equal(got, want), label
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group", SCHEMES, ids=SCHEME_IDS)
 def test_mixed_linear_m_sweep(device, bits, group):
     n, k = 80, 256
@@ -71,7 +111,7 @@ def test_mixed_linear_m_sweep(device, bits, group):
         for m in [mk[0] for mk in M_SWEEP] + [64, 200]:
             x = rand((m, k), dtype, device)
             out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
-            assert_close(out, (x.cpu().double() @ wd.T).to(device), dtype, ML_TOL[dtype],
+            assert_close(out, (x.cpu().double() @ wd.T).to(device), dtype, TOL[dtype],
                          label=f"{dtype} M={m}")
 
 
@@ -153,7 +193,7 @@ def test_mixed_linear_small_m_scale_dtypes(device, sdtype, bits, group):
             out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
             ref = act_ref(x.cpu().double() @ wd.T + bias.cpu().double(), "silu").to(device)
             for rows, name in ((slice(0, 64), "blocks"), (slice(64, n), "tail")):
-                assert_close(out[:, rows], ref[:, rows], dtype, ML_TOL[dtype],
+                assert_close(out[:, rows], ref[:, rows], dtype, TOL[dtype],
                              label=f"{dtype} M={m} {name}")
 
 
@@ -175,7 +215,7 @@ def test_mixed_linear_small_m_int4_chunk_sizes(device, group):
                 x = rand((m, k), dtype, device)
                 out = pg.mixed_linear(x, q, s, bits=4, group_size=group, bias=bias)
                 ref = (x.cpu().double() @ wd.T + bias.cpu().double()).to(device)
-                assert_close(out, ref, dtype, ML_TOL[dtype], label=f"{dtype} K={k} M={m}")
+                assert_close(out, ref, dtype, TOL[dtype], label=f"{dtype} K={k} M={m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -198,7 +238,7 @@ def test_mixed_linear_dense_path_groups(device, bits, group, k):
         x = rand((m, k), torch.bfloat16, device)
         out = pg.mixed_linear(x, q, s_t, bits=bits, group_size=group)
         assert_close(out, (x.cpu().double() @ wd.T).to(device), torch.bfloat16,
-                     ML_TOL[torch.bfloat16], label=f"scales {sdtype}")
+                     TOL[torch.bfloat16], label=f"scales {sdtype}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -213,7 +253,7 @@ def test_mixed_linear_dense_path_column_blocks(device, dtype, bits, group):
     x = rand((m, k), dtype, device)
     wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
     assert_close(pg.mixed_linear(x, q, s, bits=bits, group_size=group),
-                 (x.cpu().double() @ wd.T).to(device), dtype, ML_TOL[dtype])
+                 (x.cpu().double() @ wd.T).to(device), dtype, TOL[dtype])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -55,7 +55,10 @@ float from_bf16(uint16_t h) {
   return f;
 }
 
-// A dense buffer of f32 or bf16 holding a logical rows x cols matrix with given strides.
+// A dense buffer of f32 or bf16 holding a logical rows x cols matrix with given strides,
+// every element NaN to begin with. `pad` extra elements follow each row (each column when
+// transposed): storage a kernel must not touch (padding_touched() counts the ones it did).
+constexpr uint16_t kNanBf16 = 0x7fc0;
 struct Buf {
   DType t;
   std::vector<float> f;
@@ -66,7 +69,7 @@ struct Buf {
     rs = transposed ? 1 : c + pad;
     cs = transposed ? r + pad : 1;
     const size_t n = size_t(std::max<int64_t>(1, transposed ? (r + pad) * c : r * (c + pad)));
-    if (t == DType::f32) f.assign(n, NAN); else h.assign(n, 0x7fc0);
+    if (t == DType::f32) f.assign(n, NAN); else h.assign(n, kNanBf16);
   }
   void* ptr() {
     return t == DType::f32 ? static_cast<void*>(f.data()) : static_cast<void*>(h.data());
@@ -85,6 +88,29 @@ struct Buf {
   }
   ConstMatrix cview() { return ConstMatrix{ptr(), rows, cols, rs, cs, t}; }
   Matrix view() { return Matrix{ptr(), rows, cols, rs, cs, t}; }
+  // The storage elements outside the logical matrix (the padding, or the lone element of an
+  // empty buffer) that no longer hold the NaN they were filled with, bit for bit.
+  int64_t padding_touched() const {
+    const size_t n = t == DType::f32 ? f.size() : h.size();
+    std::vector<char> logical(n, 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) logical[size_t(r * rs + c * cs)] = 1;
+    const float nan_f = NAN;
+    uint32_t nan_bits;
+    std::memcpy(&nan_bits, &nan_f, 4);
+    int64_t touched = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (logical[i]) continue;
+      if (t == DType::f32) {
+        uint32_t u;
+        std::memcpy(&u, &f[i], 4);
+        touched += u != nan_bits;
+      } else {
+        touched += h[i] != kNanBf16;
+      }
+    }
+    return touched;
+  }
 };
 
 double act_ref(double x, Activation a) {
@@ -127,6 +153,10 @@ void test_gemm(int64_t M, int64_t N, int64_t K, DType t, bool ta, bool tb, bool 
     }
   CHECK(worst <= tol, "gemm %lldx%lldx%lld dtype %d ta %d tb %d tc %d bias %d act %d: rel err %g",
         (long long)M, (long long)N, (long long)K, int(t), ta, tb, tc, bias, int(act), worst);
+  const int64_t touched = c.padding_touched();
+  CHECK(touched == 0, "gemm %lldx%lldx%lld dtype %d ta %d tb %d tc %d bias %d act %d: %lld padding "
+        "elements of c written", (long long)M, (long long)N, (long long)K, int(t), ta, tb, tc, bias,
+        int(act), (long long)touched);
 }
 
 void test_mixed(int64_t M, int64_t N, int64_t K, int bits, int64_t gs, DType t) {
@@ -136,7 +166,7 @@ void test_mixed(int64_t M, int64_t N, int64_t K, int bits, int64_t gs, DType t) 
   const int64_t groups = gs ? K / gs : 1;
   std::vector<float> sc(size_t(std::max<int64_t>(1, N * groups)));
   for (auto& v : sc) v = 0.001f + 0.01f * std::fabs(randn());
-  Buf x(t, M, K, false, 2), y(t, M, N, false);
+  Buf x(t, M, K, false, 2), y(t, M, N, false, 3);
   x.fill_random();
   MixedLinearArgs m;
   m.x = x.cview();
@@ -168,11 +198,16 @@ void test_mixed(int64_t M, int64_t N, int64_t K, int bits, int64_t gs, DType t) 
         acc += w * x.get(i, k);
         mag += std::fabs(w * x.get(i, k));
       }
-      worst = std::max(worst, std::fabs(y.get(i, n) - acc) / mag);
+      const double got = y.get(i, n);  // NaN: never written (std::max would drop it)
+      const double err = std::isnan(got) ? 1e9 : std::fabs(got - acc) / mag;
+      worst = std::max(worst, err);
     }
   CHECK(worst <= (t == DType::f32 ? 1e-5 : 1e-2),
         "mixed_linear M %lld N %lld K %lld bits %d gs %lld: rel err %g", (long long)M,
         (long long)N, (long long)K, bits, (long long)gs, worst);
+  const int64_t touched = y.padding_touched();
+  CHECK(touched == 0, "mixed_linear M %lld N %lld K %lld bits %d gs %lld: %lld padding elements of y "
+        "written", (long long)M, (long long)N, (long long)K, bits, (long long)gs, (long long)touched);
 }
 
 void test_quantize_roundtrip(int bits, int64_t gs) {
@@ -348,9 +383,15 @@ int main() {
   for (DType t : {DType::f32, DType::bf16}) {
     const int64_t shapes[][3] = {{1, 1, 1}, {7, 13, 5}, {33, 65, 17}, {3, 40, 500},
                                  {50, 70, 900}, {5, 3, 0}, {16, 128, 64}};
+    // 8 variants per shape: the layouts of a, b and c are the 3 bits of v, and bias and
+    // activation are XORs of them chosen so that every pair of the five settings meets in
+    // all its combinations (the 8 bias x activation ones included; an orthogonal array).
     for (auto& sh : shapes)
-      for (int v = 0; v < 8; ++v)
-        test_gemm(sh[0], sh[1], sh[2], t, v & 1, v & 2, v & 4, v & 1, acts[v % 4]);
+      for (int v = 0; v < 8; ++v) {
+        const int b0 = v & 1, b1 = (v >> 1) & 1, b2 = (v >> 2) & 1;
+        test_gemm(sh[0], sh[1], sh[2], t, b0, b1, b2, (b0 ^ b1 ^ b2) != 0,
+                  acts[((b0 ^ b1) << 1) | (b0 ^ b2)]);
+      }
     // Group sizes on both sides of the FMA blocks' k steps (AVX2: 16 k; AVX-512: 16 / 32 k
     // for int8 / int4; others take the row loop), M on every block of rows of x.
     for (int bits : {8, 4})
