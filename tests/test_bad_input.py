@@ -51,6 +51,10 @@ def mixed_cases():
     yield "bias dtype", lambda: pg.mixed_linear(x, q8, s8, bits=8, bias=rand((8,), f32)), r"bias has dtype float32 but x has bfloat16"
     yield "bias shape", lambda: pg.mixed_linear(x, q8, s8, bits=8, bias=rand((9,), bf16)), r"bias must have shape \[N\] = \[8\]"
     yield "odd K int4", lambda: pg.mixed_linear(rand((3, 63), bf16), q4, s4, bits=4), r"int4 needs an even K, got K = 63"
+    yield "x rank 0", lambda: pg.mixed_linear(torch.tensor(1.0, dtype=bf16), q8, s8, bits=8), r"x must have shape \[..., K\], got a 0-dim tensor"
+    yield "int8 given int4 weight", lambda: pg.mixed_linear(x, q4, s4, bits=8, group_size=32), r"bits=8 needs qweight of dtype int8, got uint8"
+    yield "bits 3", lambda: pg.mixed_linear(x, q4, s4, bits=3, group_size=32), r"bits must be 4 or 8, got 3"
+    yield "activation code", lambda: torch.ops.portable_gemm.mixed_linear(x, q8, s8, 8, 0, None, -1), r"activation code -1 is unknown"
 
 
 ALL = [("gemm", *c) for c in gemm_cases()] + [("quantize", *c) for c in quant_cases()] + \

@@ -105,3 +105,22 @@ def test_subset_of_targets():
 def test_unparseable_torch_version():
     with pytest.raises(ValueError, match="major.minor"):
         select_variant("nightly", BUILT)
+
+
+@pytest.mark.parametrize("forced", ["2.13abc", "2.10.5", "2.10 x", "v2.10", "2.", "2.10+cpu"])
+def test_forced_must_be_exactly_major_minor(forced):
+    # (was a prefix match: 2.13abc loaded 2.13 and 2.10.5 loaded 2.10)
+    sel = select_variant("2.13.0", BUILT, forced=forced)
+    assert sel.target is None and f"PORTABLE_GEMM_TARGET={forced!r} is not a version like '2.10'" in sel.error
+    assert all(c.status == "rejected" for c in sel.candidates)
+
+
+def test_forced_with_whitespace():
+    assert select_variant("2.13.0", BUILT, forced=" 2.10\n").target == "2.10"
+
+
+@pytest.mark.parametrize("target", ["2.13abc", "2.13.0", "latest"])
+def test_unparseable_built_target(target):
+    # the loader turns this into an ImportError with its reinstall advice (test_python_layer.py)
+    with pytest.raises(ValueError, match=rf"{target!r} is not a target version like '2.10'"):
+        select_variant("2.13.0", ["2.9", target])

@@ -10,6 +10,8 @@ Otherwise loading waits for the first use of a torch-facing name (gemm, info, ..
 """
 
 import importlib
+import json
+import os
 import sys
 
 from ._namespace import NAMESPACE
@@ -32,6 +34,17 @@ def _load():
     return _state
 
 
+def _version() -> str:
+    """The build manifest's project_version, read without importing torch or loading a
+    binary (so it also answers when the loader would refuse, e.g. a bad PORTABLE_GEMM_TARGET)."""
+    try:
+        with open(os.path.join(os.path.dirname(__file__), "lib", "manifest.json")) as f:
+            version = json.load(f).get("project_version")
+    except (OSError, ValueError, AttributeError):
+        return "unknown"
+    return version if isinstance(version, str) else "unknown"
+
+
 def __getattr__(name):
     if name in _OPS:
         _load()
@@ -40,7 +53,7 @@ def __getattr__(name):
         _load()
         from ._info import info as value
     elif name == "__version__":
-        value = _load().manifest.get("project_version", "unknown")
+        value = _version()
     elif name == "nn":
         _load()
         value = importlib.import_module(f"{__name__}.nn")

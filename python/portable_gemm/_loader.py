@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from ._variant import Candidate, Selection, select_variant
 
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 ENV_TARGET = "PORTABLE_GEMM_TARGET"
+KERNELS_FILE = "libportable_gemm_kernels.so"  # when the manifest names no kernel library
 REINSTALL = "reinstall the wheel (pip install --force-reinstall portable-gemm)"
 
 
@@ -57,32 +59,48 @@ def read_manifest(lib_dir: Path = LIB_DIR) -> dict:
 
 def check_library_file(path: Path, sha256: str | None = None) -> None:
     """Refuse a damaged shared object before dlopen sees it: dlopen maps segments past the
-    end of a truncated file and the first touch kills the process with SIGBUS. Checks that
-    the ELF header, program headers and every PT_LOAD segment lie inside the file, and the
-    sha256 when the manifest gives one (bindings are small; hashing them costs < 1 ms)."""
+    end of a truncated file and the first touch kills the process with SIGBUS. Checks the
+    sha256 first when the manifest gives one (bindings are small; hashing them costs < 1 ms),
+    then that the ELF header is sane and its program headers and every PT_LOAD segment lie
+    inside the file (a manifest may also lie consistently). Every failure is an OSError,
+    which the loader's fallback handles."""
     if not path.is_file():
         raise OSError(f"{path.name} is missing from {path.parent}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(64)
-        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-            raise OSError(f"{path.name} is not a 64-bit little-endian ELF shared object (damaged?)")
-        phoff, = struct.unpack_from("<Q", head, 32)
-        phentsize, phnum = struct.unpack_from("<HH", head, 54)
-        if phoff + phentsize * phnum > size:
-            raise OSError(f"{path.name} is truncated ({size} bytes; its program headers end beyond that)")
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
-    for i in range(phnum):
-        p_type, _, p_offset = struct.unpack_from("<IIQ", table, i * phentsize)
-        p_filesz, = struct.unpack_from("<Q", table, i * phentsize + 32)
-        if p_type == 1 and p_offset + p_filesz > size:  # PT_LOAD
-            raise OSError(f"{path.name} is truncated ({size} bytes; a segment ends at {p_offset + p_filesz})")
     if sha256:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         if digest != sha256:
+            problem = _elf_problem(path)
             raise OSError(f"{path.name} differs from the build manifest (sha256 {digest[:12]}… != "
-                          f"{sha256[:12]}…): damaged or replaced")
+                          f"{sha256[:12]}…): " + (f"it {problem}" if problem else "damaged or replaced"))
+    problem = _elf_problem(path)
+    if problem:
+        raise OSError(f"{path.name} {problem}")
+
+
+def _elf_problem(path: Path) -> str | None:
+    """What is wrong with the file's ELF header or extent, or None."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+                return "is not a 64-bit little-endian ELF shared object (damaged?)"
+            phoff, = struct.unpack_from("<Q", head, 32)
+            phentsize, phnum = struct.unpack_from("<HH", head, 54)
+            if phentsize != 56:  # sizeof(Elf64_Phdr)
+                return f"has a damaged ELF header (program header size {phentsize}, not 56)"
+            if phoff + phentsize * phnum > size:
+                return f"is truncated ({size} bytes; its program headers end beyond that)"
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+        for i in range(phnum):
+            p_type, _, p_offset = struct.unpack_from("<IIQ", table, i * phentsize)
+            p_filesz, = struct.unpack_from("<Q", table, i * phentsize + 32)
+            if p_type == 1 and p_offset + p_filesz > size:  # PT_LOAD
+                return f"is truncated ({size} bytes; a segment ends at {p_offset + p_filesz})"
+    except struct.error as e:
+        return f"has a damaged ELF header ({e})"
+    return None
 
 
 def _bindings(manifest: dict, device: str) -> dict[str, dict]:
@@ -126,17 +144,29 @@ def _load_binding(entry: dict, lib_dir: Path, expect_target: str, namespace: str
     return binding
 
 
+def _kernels_file(manifest: dict) -> str:
+    """The kernel library's file: the manifest's binaries entry of kind "kernels" (a vendored
+    copy may name its own), else the wheel's usual name."""
+    return next((b["file"] for b in manifest["binaries"]
+                 if isinstance(b, dict) and b.get("kind") == "kernels" and isinstance(b.get("file"), str)),
+                KERNELS_FILE)
+
+
 def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     manifest = read_manifest(lib_dir)
     cpu = _bindings(manifest, "cpu")
     forced = os.environ.get(ENV_TARGET)
-    selection = select_variant(torch.__version__, list(cpu), forced,
-                               minimum=manifest.get("minimum_torch", "2.9"))
+    try:
+        selection = select_variant(torch.__version__, list(cpu), forced,
+                                   minimum=manifest.get("minimum_torch", "2.9"))
+    except (ValueError, TypeError) as e:
+        raise ImportError(f"portable_gemm: {lib_dir / 'manifest.json'} holds a version that cannot be "
+                          f"read: {e} ({REINSTALL})") from None
     if selection.error:
         raise ImportError(f"portable_gemm: {selection.error}\ncandidates:\n{selection.explain()}")
 
     state = LoadState(namespace, torch.__version__, selection, manifest=manifest)
-    kernels = lib_dir / "libportable_gemm_kernels.so"
+    kernels = lib_dir / _kernels_file(manifest)
     try:
         check_library_file(kernels)
     except OSError as e:
@@ -144,7 +174,7 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     # The selected target first; if its binary cannot load, fall back to older eligible
     # ones (never when a target was forced: the user asked for that one).
     order = [c for c in selection.candidates if c.status == "selected"]
-    if not forced:
+    if not (forced and forced.strip()):
         order += [c for c in selection.candidates if c.status == "eligible"]
     failures: dict[str, str] = {}
     binding = None
@@ -152,16 +182,21 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
         try:
             binding = _load_binding(cpu[cand.target], lib_dir, cand.target, namespace)
         except OSError as e:
-            failures[cand.target] = f"failed to load: {e}"
+            failures[cand.target] = str(e)
             continue
         state.target = cand.target
         break
 
+    fallback = "; ".join(f"{t} failed to load ({e})" for t, e in failures.items())
+    fell_back = bool(failures) and state.target is not None
     for c in selection.candidates:
         if c.target in failures:
-            state.candidates.append(Candidate(c.target, "rejected", failures[c.target]))
+            state.candidates.append(Candidate(c.target, "rejected", f"failed to load: {failures[c.target]}"))
         elif c.target == state.target:
-            state.candidates.append(Candidate(c.target, "loaded", c.reason))
+            state.candidates.append(Candidate(c.target, "loaded", f"fallback: {fallback}" if fell_back else c.reason))
+        elif fell_back and c.status == "eligible":
+            state.candidates.append(Candidate(c.target, "eligible", f"runs on torch {torch.__version__}, "
+                                                                    f"but {state.target} was loaded"))
         elif c.status == "selected":
             state.candidates.append(Candidate(c.target, "eligible", c.reason))
         else:
@@ -170,6 +205,9 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
         lines = "\n".join(f"  {c.target}: {c.status} - {c.reason}" for c in state.candidates)
         raise ImportError(f"portable_gemm: no binding could be loaded for torch {torch.__version__}; "
                           f"{REINSTALL}\ncandidates:\n{lines}")
+    if fell_back:
+        warnings.warn(f"portable_gemm: {fallback}; loaded target {state.target} instead ({REINSTALL})",
+                      RuntimeWarning, stacklevel=2)
 
     state.libraries["kernels"] = str(kernels)
     state.libraries["cpu"] = str(binding.path)

@@ -21,6 +21,15 @@ def parse_version(text: str) -> Version:
     return int(m.group(1)), int(m.group(2))
 
 
+def parse_target(text: str) -> Version:
+    """A built target or a PORTABLE_GEMM_TARGET value: the whole text is major.minor
+    ('2.10', surrounding whitespace allowed); '2.13abc' or '2.10.5' is refused."""
+    m = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a target version like '2.10' (major.minor)")
+    return int(m.group(1)), int(m.group(2))
+
+
 def format_version(v: Version) -> str:
     return f"{v[0]}.{v[1]}"
 
@@ -53,11 +62,12 @@ def select_variant(
     """Pick the newest built target <= the runtime's major.minor (or the forced one).
 
     Returns a Selection whose `error` is set (and `target` None) when nothing can be loaded;
-    the loader turns that into an ImportError carrying `explain()`.
+    the loader turns that into an ImportError carrying `explain()`. A version that cannot be
+    read in torch_version, built_targets or minimum raises ValueError.
     """
     runtime = parse_version(torch_version)
     rt = format_version(runtime)
-    targets = sorted({parse_version(t) for t in built_targets}, reverse=True)
+    targets = sorted({parse_target(t) for t in built_targets}, reverse=True)
     if runtime < parse_version(minimum):
         reason = f"torch {torch_version} is older than {minimum}, the oldest stable ABI this wheel targets"
         cands = [Candidate(format_version(t), "rejected", reason) for t in targets]
@@ -67,7 +77,7 @@ def select_variant(
     forced_v = None
     if forced is not None and forced.strip():
         try:
-            forced_v = parse_version(forced)
+            forced_v = parse_target(forced)
         except ValueError:
             return Selection(torch_version, None,
                              [Candidate(format_version(t), "rejected", "not considered: PORTABLE_GEMM_TARGET is malformed") for t in targets],

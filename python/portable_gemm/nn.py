@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .ops import mixed_linear, quantize_weight
+from .ops import _group_code, mixed_linear, quantize_weight
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -16,8 +18,12 @@ class QuantizedLinear(torch.nn.Module):
                  group_size: int | None = 128, bias: bool = True,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
-        if bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+        group_size = _group_code(group_size) or None
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16 (the "
+                             f"activations' dtype), got {dtype!r}")
         if group_size is not None and in_features % group_size:
             raise ValueError(f"group_size {group_size} must divide in_features {in_features}")
         if bits == 4 and in_features % 2:
@@ -27,8 +33,7 @@ class QuantizedLinear(torch.nn.Module):
         packed = in_features if bits == 8 else in_features // 2
         qdtype = torch.int8 if bits == 8 else torch.uint8
         self.register_buffer("qweight", torch.zeros(out_features, packed, dtype=qdtype, device=device))
-        n_groups = in_features // group_size if group_size else None
-        shape = (out_features, n_groups) if n_groups else (out_features,)
+        shape = (out_features, in_features // group_size) if group_size else (out_features,)
         self.register_buffer("scales", torch.zeros(shape, dtype=dtype, device=device))
         self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 

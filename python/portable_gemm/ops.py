@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 
 import torch
 
@@ -103,18 +104,38 @@ def _activation_code(activation: str) -> int:
 
 
 def _group_code(group_size: int | None) -> int:
+    """None -> 0 (per channel); a positive int, or anything operator.index takes (a NumPy
+    integer, a 0-d integer tensor), -> that int."""
     if group_size is None:
         return 0
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+    try:
+        group = operator.index(group_size)
+    except TypeError:
+        group = 0
+    if isinstance(group_size, bool) or group <= 0:
         raise ValueError(f"group_size must be None (per channel) or a positive int such as "
                          f"{GROUP_SIZES}, got {group_size!r}")
-    return group_size
+    return group
+
+
+_Tensor = torch.Tensor
+
+
+def _raise_not_a_tensor(op: str, **args) -> None:
+    """TypeError naming the first of args that is not a tensor (bias may be None). The
+    wrappers call it only once an inline isinstance test failed (host time per call)."""
+    for name, value in args.items():
+        if not isinstance(value, _Tensor) and not (name == "bias" and value is None):
+            got = "None" if value is None else type(value).__name__
+            raise TypeError(f"portable_gemm.{op}: {name} must be a torch.Tensor, got {got}")
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
          activation: str = "none") -> torch.Tensor:
     """act(a @ b + bias): a [..., K], b [K, N] (fp32/fp16/bf16, one dtype, any strides,
     CPU or CUDA), bias [N]; accumulates in fp32; returns [..., N] in a's dtype."""
+    if not (isinstance(a, _Tensor) and isinstance(b, _Tensor) and (bias is None or isinstance(bias, _Tensor))):
+        _raise_not_a_tensor("gemm", a=a, b=b, bias=bias)
     act = _activation_code(activation)
     if _FOLLOW_THREADS is not None:
         _FOLLOW_THREADS()
@@ -131,21 +152,34 @@ def quantize_weight(weight: torch.Tensor, *, bits: int,
     bits=8 gives int8 [N, K]; bits=4 gives uint8 [N, K/2], two signed nibbles per byte (low
     nibble = even k). scale = absmax / (2^(bits-1) - 1) per output channel (group_size=None,
     scales [N]) or per group of group_size along K (scales [N, K/group_size]), in weight's dtype.
+
+    Not differentiable: neither output ever requires grad, even when weight does (the op's
+    autograd key falls through).
     """
+    if not isinstance(weight, _Tensor):
+        _raise_not_a_tensor("quantize_weight", weight=weight)
+    group = _group_code(group_size)
     if _FOLLOW_THREADS is not None:
         _FOLLOW_THREADS()
-    return _ops().quantize_weight(weight, bits, _group_code(group_size))
+    return _ops().quantize_weight(weight, bits, group)
 
 
 def mixed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
                  group_size: int | None = None, bias: torch.Tensor | None = None,
                  activation: str = "none") -> torch.Tensor:
     """Weight-only quantised linear: act(x @ dequant(qweight).T + bias), x [..., K]
-    (fp16/bf16, and fp32), qweight/scales from quantize_weight; returns [..., N] in x's dtype."""
+    (fp16/bf16, and fp32), qweight/scales from quantize_weight; returns [..., N] in x's dtype.
+    Differentiable in x and bias; scales that require grad are refused (no gradient to them)."""
+    if not (isinstance(x, _Tensor) and isinstance(qweight, _Tensor) and isinstance(scales, _Tensor)
+            and (bias is None or isinstance(bias, _Tensor))):
+        _raise_not_a_tensor("mixed_linear", x=x, qweight=qweight, scales=scales, bias=bias)
     group, act = _group_code(group_size), _activation_code(activation)
     if _FOLLOW_THREADS is not None:
         _FOLLOW_THREADS()
-    if _needs_autograd(x, bias):
+    if _needs_autograd(x, bias, scales):
+        if scales.requires_grad and _grad_enabled():
+            raise RuntimeError("portable_gemm.mixed_linear: scales require grad, but the quantised weight is "
+                               "not differentiable (gradients flow to x and bias only); pass scales.detach()")
         return _ops().mixed_linear(x, qweight, scales, bits, group, bias, act)
     with _below_autograd():
         return _MIXED_LINEAR_DIRECT(x, qweight, scales, bits, group, bias, act)
@@ -153,39 +187,145 @@ def mixed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
 
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
                       group_size: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The [N, K] weight that quantize_weight's output stands for (torch ops, any device)."""
+    """The [N, K] weight that quantize_weight's output stands for (torch ops, any device).
+    Checks qweight and scales as mixed_linear does."""
+    op = "portable_gemm.dequantize_weight"
+    if not (isinstance(qweight, _Tensor) and isinstance(scales, _Tensor)):
+        _raise_not_a_tensor("dequantize_weight", qweight=qweight, scales=scales)
+    group = _group_code(group_size)
+    _check_qweight(qweight, bits, op)
+    n, k = qweight.shape[0], qweight.shape[1] * (1 if bits == 8 else 2)
+    _check_scales(scales, n, k, group, op)
+    _check_device(qweight, scales, op, "qweight", "scales")
     if bits == 8:
-        q = qweight.to(torch.int8)
-    elif bits == 4:
+        q = qweight
+    else:
         low = (qweight.to(torch.int16) << 12 >> 12).to(torch.int8)   # sign-extend nibble
         high = (qweight.to(torch.int16) << 8 >> 12).to(torch.int8)
-        q = torch.stack((low, high), dim=-1).reshape(qweight.shape[0], -1)
-    else:
-        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
-    dtype = dtype or scales.dtype
+        q = torch.stack((low, high), dim=-1).reshape(n, k)
     s = scales.to(torch.float32)
-    if group_size:
-        s = s.repeat_interleave(group_size, dim=1)
-    else:
-        s = s.reshape(-1, 1)
-    return (q.to(torch.float32) * s).to(dtype)
+    s = s.repeat_interleave(group, dim=1) if group else s.reshape(n, 1)
+    return (q.to(torch.float32) * s).to(dtype or scales.dtype)
 
 
-# ---- fake kernels: shapes and dtypes only -----------------------------------------------
+# ---- input checks of the C++ op bodies (src/torch/ops_common.h), same order and messages:
+# the fake kernels run them, so FakeTensor / torch.compile refuse what the real op refuses.
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.int8: "int8", torch.uint8: "uint8", torch.float64: "float64",
+                torch.int32: "int32", torch.int64: "int64"}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return _DTYPE_NAMES.get(t.dtype, "an unsupported dtype")
+
+
+def _check_float(t, op, name):
+    torch._check(t.dtype in _FLOATS, lambda: f"{op}: {name} must be float32, float16 or bfloat16, got {_dtype_name(t)}")
+
+
+def _check_device(ref, t, op, ref_name, name):
+    torch._check(t.device == ref.device, lambda: f"{op}: {name} is on {t.device} but {ref_name} is on "
+                                                 f"{ref.device}; move all inputs to one device")
+
+
+def _check_bits(bits, op):
+    torch._check(bits in (4, 8), lambda: f"{op}: bits must be 4 or 8, got {bits}")
+
+
+def _check_group(group_size, k, op):
+    torch._check(group_size >= 0, lambda: f"{op}: group_size must be None (per channel) or positive, got {group_size}")
+    if group_size > 0:
+        torch._check(k % group_size == 0, lambda: f"{op}: group_size {group_size} must divide K = {k}")
+
+
+def _check_bias(bias, ref, n, op, ref_name):
+    if bias is None:
+        return
+    _check_device(ref, bias, op, ref_name, "bias")
+    torch._check(bias.dtype == ref.dtype, lambda: f"{op}: bias has dtype {_dtype_name(bias)} but {ref_name} has {_dtype_name(ref)}")
+    torch._check(bias.dim() == 1 and bias.shape[0] == n, lambda: f"{op}: bias must have shape [N] = [{n}]")
+
+
+def _check_activation(code, op):
+    torch._check(0 <= code <= 3, lambda: f"{op}: activation code {code} is unknown (0 none, 1 relu, 2 silu, 3 gelu)")
+
+
+def _check_qweight(qweight, bits, op):
+    """bits, and a 2-D qweight of the dtype bits needs."""
+    _check_bits(bits, op)
+    torch._check(qweight.dim() == 2, lambda: f"{op}: qweight must be 2-D [N, K] (int8) or [N, K/2] (int4), "
+                                             f"got {qweight.dim()} dims")
+    qtype = torch.int8 if bits == 8 else torch.uint8
+    torch._check(qweight.dtype == qtype, lambda: f"{op}: bits={bits} needs qweight of dtype {_DTYPE_NAMES[qtype]}, "
+                                                 f"got {_dtype_name(qweight)} (use quantize_weight)")
+
+
+def _check_scales(scales, n, k, group_size, op):
+    """group_size against K, and float scales of shape [N] or [N, K / group_size]."""
+    _check_group(group_size, k, op)
+    _check_float(scales, op, "scales")
+    want = (n, k // group_size) if group_size else (n,)
+    torch._check(tuple(scales.shape) == want, lambda: f"{op}: scales must have shape "
+                 + (f"[N, K / group_size] = [{n}, {k // group_size}]" if group_size else f"[N] = [{n}]")
+                 + f" for group_size={group_size}")
+
+
+def _check_gemm(a, b, bias, activation):
+    op = "portable_gemm.gemm"
+    torch._check(a.dim() >= 1, lambda: f"{op}: a must have shape [..., M, K], got a 0-dim tensor")
+    torch._check(b.dim() == 2, lambda: f"{op}: b must have shape [K, N], got {b.dim()} dims")
+    _check_float(a, op, "a")
+    torch._check(b.dtype == a.dtype, lambda: f"{op}: b has dtype {_dtype_name(b)} but a has {_dtype_name(a)}; "
+                                             "cast both to one dtype")
+    _check_device(a, b, op, "a", "b")
+    k, n = a.shape[-1], b.shape[1]
+    torch._check(b.shape[0] == k, lambda: f"{op}: a has K = {k} columns but b has {b.shape[0]} rows; b must be [K, N]")
+    _check_bias(bias, a, n, op, "a")
+    _check_activation(activation, op)
+
+
+def _check_quantize(weight, bits, group_size):
+    op = "portable_gemm.quantize_weight"
+    torch._check(weight.dim() == 2, lambda: f"{op}: weight must have shape [N, K] like nn.Linear.weight, "
+                                            f"got {weight.dim()} dims")
+    _check_float(weight, op, "weight")
+    _check_bits(bits, op)
+    k = weight.shape[1]
+    _check_group(group_size, k, op)
+    if bits == 4:
+        torch._check(k % 2 == 0, lambda: f"{op}: int4 packs two values per byte, so K ({k}) must be even")
+
+
+def _check_mixed_linear(x, qweight, scales, bits, group_size, bias, activation):
+    op = "portable_gemm.mixed_linear"
+    torch._check(x.dim() >= 1, lambda: f"{op}: x must have shape [..., K], got a 0-dim tensor")
+    _check_float(x, op, "x")
+    _check_qweight(qweight, bits, op)
+    k, n = x.shape[-1], qweight.shape[0]
+    packed_k = k if bits == 8 else k // 2
+    torch._check(bits == 8 or k % 2 == 0, lambda: f"{op}: int4 needs an even K, got K = {k}")
+    torch._check(qweight.shape[1] == packed_k, lambda: f"{op}: qweight has shape [{n}, {qweight.shape[1]}] but x has "
+                 f"K = {k}, so it must be [N, {packed_k}]" + (" (int4: two values per byte)" if bits == 4 else ""))
+    _check_scales(scales, n, k, group_size, op)
+    _check_device(x, qweight, op, "x", "qweight")
+    _check_device(x, scales, op, "x", "scales")
+    _check_bias(bias, x, n, op, "x")
+    _check_activation(activation, op)
+
+
+# ---- fake kernels: the real op's checks, then shapes and dtypes -----------------------------
 
 @torch.library.register_fake(f"{NAMESPACE}::gemm", lib=_LIB)
 def _gemm_fake(a, b, bias=None, activation=0):
-    torch._check(a.dim() >= 1, lambda: "a must have shape [..., K]")
-    torch._check(b.dim() == 2, lambda: "b must have shape [K, N]")
-    torch._check(a.shape[-1] == b.shape[0], lambda: f"a has K={a.shape[-1]} but b has {b.shape[0]} rows")
-    torch._check(a.dtype == b.dtype, lambda: "a and b must share a dtype")
+    _check_gemm(a, b, bias, activation)
     return a.new_empty((*a.shape[:-1], b.shape[1]))
 
 
 @torch.library.register_fake(f"{NAMESPACE}::quantize_weight", lib=_LIB)
 def _quantize_fake(weight, bits, group_size=0):
-    torch._check(weight.dim() == 2, lambda: "weight must be [N, K]")
-    torch._check(bits in (4, 8), lambda: f"bits must be 4 or 8, got {bits}")
+    _check_quantize(weight, bits, group_size)
     n, k = weight.shape
     q = weight.new_empty((n, k), dtype=torch.int8) if bits == 8 else weight.new_empty((n, k // 2), dtype=torch.uint8)
     scales = weight.new_empty((n, k // group_size) if group_size else (n,))
@@ -194,9 +334,7 @@ def _quantize_fake(weight, bits, group_size=0):
 
 @torch.library.register_fake(f"{NAMESPACE}::mixed_linear", lib=_LIB)
 def _mixed_linear_fake(x, qweight, scales, bits, group_size=0, bias=None, activation=0):
-    torch._check(qweight.dim() == 2, lambda: "qweight must be 2-D")
-    k = x.shape[-1]
-    torch._check(qweight.shape[1] == (k if bits == 8 else k // 2), lambda: "qweight does not match x's K")
+    _check_mixed_linear(x, qweight, scales, bits, group_size, bias, activation)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
@@ -255,7 +393,7 @@ def _mixed_backward(ctx, grad):
     n = qweight.shape[0]
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        w = dequantize_weight(qweight, scales, bits=ctx.bits, group_size=ctx.group_size, dtype=x.dtype)
+        w = dequantize_weight(qweight, scales, bits=ctx.bits, group_size=ctx.group_size or None, dtype=x.dtype)
         grad_x = op.gemm(g, w, None, 0)  # [..., N] @ [N, K]
     if bias is not None and ctx.needs_input_grad[5]:
         grad_bias = g.reshape(-1, n).sum(0)
@@ -264,3 +402,8 @@ def _mixed_backward(ctx, grad):
 
 torch.library.register_autograd(f"{NAMESPACE}::mixed_linear", _mixed_backward,
                                 setup_context=_mixed_setup, lib=_LIB)
+
+# Quantisation is not differentiable: its autograd key falls through, so the outputs never
+# require grad (without this, a weight that requires grad gave `scales` a grad_fn that warns
+# "an autograd kernel was not registered", and opcheck failed).
+_LIB.impl("quantize_weight", torch.library.fallthrough_kernel, "Autograd")
