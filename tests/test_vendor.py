@@ -1,11 +1,20 @@
 """Vendoring without rebuilding: a copy under another namespace lives beside the real package."""
 
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import REPO, assert_close, dequant_ref, run_python
 
 import portable_gemm as pg
-from portable_gemm._vendor import vendor
+from portable_gemm._vendor import KERNELS, dynamic_strings, kernels_name, vendor
+
+PKG = Path(pg.__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +44,95 @@ assert torch.equal(pg_copy.mixed_linear(x, q, s, bits=4, group_size=32),
                    pg.mixed_linear(x, q, s, bits=4, group_size=32))
 importlib.reload(pg_copy)          # importing the same copy again is harmless
 assert torch.equal(pg_copy.gemm(a, b, activation="relu"), r1)
+# each package runs its own kernel library: both are mapped, each from its own folder
+maps = open("/proc/self/maps").read()
+assert {str(PKG / "lib" / KERNELS)!r} in maps, "the original kernel library is not loaded"
+assert {str((vendored / "pg_copy" / "lib").resolve())!r} + "/libpgk" in maps, "the copy's kernel library is not loaded"
 print("OK")
 """
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("OK")
+
+
+def _readelf_dynamic(path: Path) -> dict[str, list[str]]:
+    """NEEDED / SONAME entries as binutils' readelf prints them (independent of our parser)."""
+    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    found: dict[str, list[str]] = {"NEEDED": [], "SONAME": []}
+    for tag, name in re.findall(r"\((NEEDED|SONAME)\)\s+\S+.*?\[(.+?)\]", out):
+        found[tag].append(name)
+    return found
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="binutils' readelf not installed")
+def test_copy_has_its_own_kernel_library(vendored):
+    """The dynamic linker matches DT_NEEDED against loaded SONAMEs: with one shared name, the
+    copy's bindings would bind to the original's kernel library (or another copy's)."""
+    lib = vendored / "pg_copy" / "lib"
+    manifest = json.loads((lib / "manifest.json").read_text())
+    original = json.loads((PKG / "lib" / "manifest.json").read_text())
+    kernels_sha = next(b["sha256"] for b in original["binaries"] if b["kind"] == "kernels")
+    new = next(b["file"] for b in manifest["binaries"] if b["kind"] == "kernels")
+    assert new == kernels_name("downstream_ns", kernels_sha) and new != KERNELS
+    assert len(new) == len(KERNELS) and new != kernels_name("other_ns", kernels_sha)
+    assert manifest["vendored"] == {"namespace": "downstream_ns", "kernels_renamed_from": KERNELS}
+    assert not (lib / KERNELS).exists()
+    assert _readelf_dynamic(lib / new)["SONAME"] == [new]
+    assert [(t, s) for t, s, _ in dynamic_strings(lib / new) if t == 14] == [(14, new)]
+    users = [lib / b["file"] for b in manifest["binaries"] if b["kind"] == "binding"]
+    users += list((vendored / "pg_copy").glob("_dlpack*.so"))
+    assert len(users) >= 6, users  # 5 CPU bindings (+ CUDA ones) and the DLPack module
+    for path in users:
+        needed = _readelf_dynamic(path)["NEEDED"]
+        assert new in needed and KERNELS not in needed, (path.name, needed)
+    for b in manifest["binaries"]:  # the rewritten files are what the manifest says
+        assert hashlib.sha256((lib / b["file"]).read_bytes()).hexdigest() == b["sha256"], b["file"]
+    # the original package is untouched
+    assert _readelf_dynamic(PKG / "lib" / KERNELS)["SONAME"] == [KERNELS]
+
+
+def test_copy_dlpack_door_uses_its_own_kernels(vendored):
+    code = f"""
+import sys, numpy as np
+sys.path.insert(0, {str(vendored)!r})
+import pg_copy.dlpack as d
+a, b = np.random.rand(5, 12).astype(np.float32), np.random.rand(12, 3).astype(np.float32)
+out = d.gemm(a, b)
+err = np.abs(out.astype(np.float64) - a.astype(np.float64) @ b.astype(np.float64)).max()
+assert err < 1e-5, err
+maps = open("/proc/self/maps").read()
+assert {str((vendored / "pg_copy" / "lib").resolve())!r} + "/libpgk" in maps
+assert "{KERNELS}" not in maps, "the copy's DLPack door loaded the original kernel library"
+assert "torch" not in sys.modules
+print("OK")
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("OK")
+
+
+def test_force_replaces_only_a_vendored_copy(tmp_path):
+    dest = tmp_path / "mine"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("user data")
+    with pytest.raises(FileExistsError, match="not a vendored copy"):
+        vendor(dest, "ns_force", force=True)
+    assert (dest / "keep.txt").read_text() == "user data"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(FileExistsError, match="not a folder"):
+        vendor(afile, "ns_force", force=True)
+    assert afile.read_text() == "x"
+    with pytest.raises(ValueError, match="this package's own"):
+        vendor(tmp_path / "same_ns", "portable_gemm")
+    copy = tmp_path / "copy_ok"
+    vendor(copy, "ns_force")
+    (copy / "stale.txt").write_text("from the earlier copy")
+    vendor(copy, "ns_force2", force=True)
+    assert "NAMESPACE = 'ns_force2'" in (copy / "_namespace.py").read_text()
+    assert not (copy / "stale.txt").exists()
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not leftovers, f"temporary folders left behind: {leftovers}"
 
 
 def test_vendor_cli_and_refusals(tmp_path):

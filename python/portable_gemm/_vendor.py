@@ -2,7 +2,12 @@
 (loader, wrappers, every binary and the manifest) into DIR as a self-contained package whose
 ops register under torch.ops.NS. Nothing is recompiled: the bindings take the namespace at
 load time. The copy is written to a temporary folder and renamed into place, so an
-interrupted run never leaves a half-written package."""
+interrupted run never leaves a half-written package.
+
+The copy's kernel library gets a name of its own (same length, so only strings change):
+the dynamic linker matches a DT_NEEDED entry against the SONAMEs already loaded, so with
+one shared name a copy's bindings would bind to whichever kernel library came first (the
+original's, or another copy's, possibly of another version)."""
 
 from __future__ import annotations
 
@@ -12,13 +17,18 @@ import keyword
 import os
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
+
+from ._namespace import NAMESPACE as ORIGINAL_NAMESPACE
 
 HERE = Path(__file__).resolve().parent
 # What a vendored copy needs: Python sources, lib/ (binaries + manifest); headers and the
 # CMake package are for C++ consumers of the original wheel.
 SKIP = {"__pycache__", "include", "share", "_vendor.py"}
+KERNELS = "libportable_gemm_kernels.so"
+DT_NEEDED, DT_SONAME, DT_STRTAB, DT_STRSZ = 1, 14, 5, 10
 
 
 def _check_namespace(ns: str) -> None:
@@ -26,6 +36,19 @@ def _check_namespace(ns: str) -> None:
         raise ValueError(f"namespace {ns!r} must be a Python identifier (it becomes torch.ops.{ns})")
     if ns in ("aten", "prim", "prims", "torch", "quantized", "_test"):
         raise ValueError(f"namespace {ns!r} belongs to torch; choose your project's own")
+    if ns == ORIGINAL_NAMESPACE:
+        raise ValueError(f"namespace {ns!r} is this package's own; a copy under it would clash with "
+                         "the installed package; choose your project's own")
+
+
+def kernels_name(namespace: str, kernels_sha256: str) -> str:
+    """The copy's kernel library: as long as the original's name, unique per namespace and build."""
+    tag = hashlib.sha256(f"{namespace}\0{kernels_sha256}".encode()).hexdigest()
+    return "libpgk" + tag[:len(KERNELS) - len("libpgk.so")] + ".so"
+
+
+def _is_vendored_copy(path: Path) -> bool:
+    return (path / "lib" / "manifest.json").is_file() and (path / "_namespace.py").is_file()
 
 
 def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path:
@@ -33,11 +56,18 @@ def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path
     dest = Path(into).resolve()
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", dest.name):
         raise ValueError(f"{dest.name!r} is not importable as a package name")
-    if dest.exists():
+    if dest.exists() or dest.is_symlink():
         if not force:
             raise FileExistsError(f"{dest} exists; pass --force to replace it")
+        if dest.is_symlink() or not dest.is_dir():
+            raise FileExistsError(f"{dest} exists and is not a folder; --force replaces only an earlier "
+                                  "vendored copy, remove it yourself")
+        if not _is_vendored_copy(dest):
+            raise FileExistsError(f"{dest} exists and is not a vendored copy (no lib/manifest.json and "
+                                  "_namespace.py); --force replaces only an earlier copy, remove it yourself")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    old = None
     try:
         for item in HERE.iterdir():
             if item.name in SKIP:
@@ -51,19 +81,26 @@ def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path
             '"""The torch.ops namespace this vendored copy registers under (written by '
             '`python -m portable_gemm vendor`)."""\n\n'
             f"NAMESPACE = {namespace!r}\n")
-        _verify_copy(HERE / "lib", tmp / "lib")
-        if dest.exists():
-            shutil.rmtree(dest)
+        manifest = _verify_copy(HERE / "lib", tmp / "lib")
+        _rename_kernels(tmp, manifest, namespace)
+        if dest.exists():  # an earlier copy: move it aside, put the new one in, then delete it
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
+            os.replace(dest, old / dest.name)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not dest.exists():
+            os.replace(old / dest.name, dest)
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     return dest
 
 
-def _verify_copy(src: Path, dst: Path) -> None:
+def _verify_copy(src: Path, dst: Path) -> dict:
     """Every binary the manifest lists matches its build sha256 (a damaged installation is not
-    copied onward) and was copied whole."""
+    copied onward) and was copied whole. Returns the manifest."""
     manifest = json.loads((src / "manifest.json").read_text())
     for b in manifest["binaries"]:
         if not (src / b["file"]).is_file():
@@ -73,3 +110,85 @@ def _verify_copy(src: Path, dst: Path) -> None:
             raise RuntimeError(f"{b['file']} does not match the manifest's sha256; reinstall portable_gemm")
         if hashlib.sha256((dst / b["file"]).read_bytes()).hexdigest() != digest:
             raise RuntimeError(f"copying {b['file']} produced a different file; check the destination disk")
+    return manifest
+
+
+def _rename_kernels(pkg: Path, manifest: dict, namespace: str) -> None:
+    """Give the copy in pkg its own kernel library: rename the file, rewrite its SONAME and
+    every DT_NEEDED naming it (bindings in lib/, the DLPack module), then the manifest's file
+    name and sha256s."""
+    lib = pkg / "lib"
+    entry = next(b for b in manifest["binaries"] if b.get("kind") == "kernels")
+    if entry["file"] != KERNELS:
+        raise RuntimeError(f"the manifest names the kernel library {entry['file']!r}, not {KERNELS!r}: "
+                           "vendor from the original wheel, not from a vendored copy")
+    new = kernels_name(namespace, entry["sha256"])
+    patched = {KERNELS: rename_dynamic_strings(lib / KERNELS, KERNELS, new, DT_SONAME)}
+    os.replace(lib / KERNELS, lib / new)
+    for b in manifest["binaries"]:
+        if b.get("kind") == "binding":
+            patched[b["file"]] = rename_dynamic_strings(lib / b["file"], KERNELS, new, DT_NEEDED)
+    for ext in pkg.glob("_dlpack*.so"):
+        patched[ext.name] = rename_dynamic_strings(ext, KERNELS, new, DT_NEEDED)
+    missing = [f for f, n in patched.items() if n == 0]
+    if missing:
+        raise RuntimeError(f"{', '.join(missing)} do not name {KERNELS} in their dynamic section; "
+                           "this build cannot be vendored")
+    entry["file"] = new
+    for b in manifest["binaries"]:
+        b["sha256"] = hashlib.sha256((lib / b["file"]).read_bytes()).hexdigest()
+    manifest["vendored"] = {"namespace": namespace, "kernels_renamed_from": KERNELS}
+    (lib / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def dynamic_strings(path: Path) -> list[tuple[int, str, int]]:
+    """(tag, string, file offset of the string) for each DT_NEEDED and DT_SONAME entry of a
+    64-bit little-endian ELF file, read through PT_DYNAMIC and DT_STRTAB."""
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise RuntimeError(f"{path.name} is not a 64-bit little-endian ELF file")
+    phoff, = struct.unpack_from("<Q", data, 32)
+    phentsize, phnum = struct.unpack_from("<HH", data, 54)
+    loads, dynamic = [], None
+    for i in range(phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        if p_type == 1:
+            loads.append((p_vaddr, p_offset, p_filesz))
+        elif p_type == 2:
+            dynamic = (p_offset, p_filesz)
+    if dynamic is None:
+        raise RuntimeError(f"{path.name} has no dynamic section")
+    entries = []
+    for off in range(dynamic[0], dynamic[0] + dynamic[1], 16):
+        tag, val = struct.unpack_from("<qQ", data, off)
+        if tag == 0:
+            break
+        entries.append((tag, val))
+    strtab_vaddr = next(v for t, v in entries if t == DT_STRTAB)
+    strsz = next(v for t, v in entries if t == DT_STRSZ)
+    strtab = next((o + strtab_vaddr - v for v, o, n in loads if v <= strtab_vaddr < v + n), None)
+    if strtab is None:
+        raise RuntimeError(f"{path.name}: its dynamic string table lies outside its loaded segments")
+    out = []
+    for tag, val in entries:
+        if tag in (DT_NEEDED, DT_SONAME):
+            if val >= strsz:
+                raise RuntimeError(f"{path.name}: a dynamic entry points past its string table")
+            start = strtab + val
+            end = data.index(b"\0", start)
+            out.append((tag, data[start:end].decode(), start))
+    return out
+
+
+def rename_dynamic_strings(path: Path, old: str, new: str, tag: int) -> int:
+    """Rewrite, in place, each `tag` entry (DT_NEEDED or DT_SONAME) naming old to name new
+    (same length: only bytes of the string table change). Returns how many were rewritten."""
+    if len(new) != len(old):
+        raise ValueError(f"{new!r} must be as long as {old!r}")
+    hits = [off for t, s, off in dynamic_strings(path) if t == tag and s == old]
+    if hits:
+        with open(path, "r+b") as f:
+            for off in hits:
+                f.seek(off)
+                f.write(new.encode())
+    return len(hits)
