@@ -138,3 +138,25 @@ def test_cpu_isa_names_the_units_in_use():
         assert isa == "avx2", isa
     else:
         assert isa == "generic", isa
+
+
+@pytest.mark.parametrize("probe,args,expect", [
+    ("kernel_gemm.cpp", ["37", "29", "300", "2"], r"M=37 N=29 K=300: error \S+, median"),
+    ("kernel_mixed_linear.cpp", ["3", "64", "256", "128", "2", "4", "2"], r"bits=4 copies=2: max error .* median"),
+    ("kernel_mixed_linear.cpp", ["1", "48", "512", "0", "2", "8", "1"], r"bits=8 copies=1: max error .* median"),
+])
+def test_bench_probe_builds_and_checks(tmp_path, probe, args, expect):
+    """The benchmark's C++ probes (bench/probes/, kernel-library A/Bs in bench/CPU_NOTES.md)
+    build against the installed headers and library, and their float64 self-check passes
+    (each exits non-zero on a wrong result) on a small case."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to build the probes")
+    exe = tmp_path / probe.removesuffix(".cpp")
+    cmd = ["g++", "-O2", "-std=c++17", f"-I{PKG / 'include'}", str(REPO / "bench/probes" / probe),
+           f"-L{PKG / 'lib'}", "-lportable_gemm_kernels", f"-Wl,-rpath,{PKG / 'lib'}", "-lpthread", "-o", str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PORTABLE_GEMM_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(expect, proc.stdout), proc.stdout
