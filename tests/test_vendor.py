@@ -125,6 +125,11 @@ def test_force_replaces_only_a_vendored_copy(tmp_path):
     assert afile.read_text() == "x"
     with pytest.raises(ValueError, match="this package's own"):
         vendor(tmp_path / "same_ns", "portable_gemm")
+    before = sorted(p.name for p in PKG.iterdir())
+    for into in (PKG, PKG / "lib" / "nested"):  # the installed package itself is never replaced
+        with pytest.raises(ValueError, match="inside this installed package"):
+            vendor(into, "ns_force", force=True)
+    assert sorted(p.name for p in PKG.iterdir()) == before
     copy = tmp_path / "copy_ok"
     vendor(copy, "ns_force")
     (copy / "stale.txt").write_text("from the earlier copy")

@@ -54,6 +54,8 @@ def _is_vendored_copy(path: Path) -> bool:
 def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path:
     _check_namespace(namespace)
     dest = Path(into).resolve()
+    if dest == HERE or HERE in dest.parents:  # --force would delete what is being copied
+        raise ValueError(f"{dest} is inside this installed package ({HERE}); vendor into your own project")
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", dest.name):
         raise ValueError(f"{dest.name!r} is not importable as a package name")
     if dest.exists() or dest.is_symlink():
