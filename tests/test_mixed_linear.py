@@ -220,6 +220,30 @@ def test_mixed_linear_small_m_int4_chunk_sizes(device, group):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group,k", [
+    (4, None, 9856), (4, 128, 9856), (4, 32, 9856), (8, None, 6336), (8, 64, 6336), (8, 16, 6336),
+], ids=lambda v: str(v))
+def test_mixed_linear_small_m_long_k(device, bits, group, k):
+    # Long rows on the small-M paths: the CUDA tensor-core GEMV's 8 warps split K in chunks
+    # (128 k of int4, 64 of int8), so at K = 9856 (77 int4 chunks, whole chunks at M > 8
+    # since K > 8192) and K = 6336 (99 int8 chunks) every warp walks 9-13 chunks, through
+    # both of its register stages several times, and the last round of chunks is partial.
+    # N = 96: three blocks of 32 rows. Groups that scale each chunk's sum (g128, per channel)
+    # and groups folded into the weights (int4 g32, int8 g16); M on both sides of 8.
+    n = 96
+    w = rand((n, k), torch.float32, device)
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
+    for dtype in X_DTYPES[device]:
+        bias = rand((n,), dtype, device)
+        for m in (1, 5, 8, 9, 16):
+            x = rand((m, k), dtype, device)
+            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias)
+            ref = (x.cpu().double() @ wd.T + bias.cpu().double()).to(device)
+            assert_close(out, ref, dtype, TOL[dtype], label=f"{dtype} K={k} M={m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,group,k", [
     (4, 128, 2048), (4, 24, 1200), (4, 6, 1026), (4, None, 1030),
     (8, 64, 2048), (8, 20, 1000), (8, 10, 1030), (8, None, 2053),
 ], ids=lambda v: str(v))
