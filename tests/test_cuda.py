@@ -230,3 +230,46 @@ print("CUTLASS", sum("cutlass" in n for n in names), "OF", len(names))
     assert r.returncode == 0, r.stderr[-3000:]
     count = int(r.stdout.split("CUTLASS")[1].split()[0])
     assert (count == 2) if expect_cutlass else (count == 0), r.stdout
+
+
+def test_vendored_copy_runs_its_cuda_binding(tmp_path):
+    # A vendored copy (its own namespace and its own renamed kernel library, see
+    # test_vendor.py) loads its CUDA binding beside the real package's and computes the same
+    # results on the GPU: dense gemm, quantize_weight, mixed_linear at small and large M.
+    from portable_gemm._vendor import vendor
+
+    vendor(tmp_path / "pg_copy_cuda", "downstream_cuda")
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(tmp_path)!r})
+import portable_gemm as pg
+import pg_copy_cuda as pgc
+info = pgc.info()
+assert info["cuda"]["loaded"], info["cuda"]["reason"]
+for kind in ("cuda", "kernels"):
+    assert info["libraries"][kind].startswith({str(tmp_path)!r}), (kind, info["libraries"])
+assert pg.info()["libraries"]["kernels"] != info["libraries"]["kernels"]
+torch.manual_seed(0)
+a = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(256, 72, device="cuda", dtype=torch.bfloat16)
+y = pgc.gemm(a, b, activation="gelu")
+assert torch.equal(y, pg.gemm(a, b, activation="gelu"))
+ref = torch.nn.functional.gelu(a.double() @ b.double())
+assert ((y.double() - ref).norm() / ref.norm()).item() < 1.2e-2
+w = torch.randn(96, 512, device="cuda", dtype=torch.bfloat16)
+q, s = pgc.quantize_weight(w, bits=4, group_size=128)
+q0, s0 = pg.quantize_weight(w, bits=4, group_size=128)
+assert torch.equal(q, q0) and torch.equal(s, s0)
+wd = pgc.dequantize_weight(q, s, bits=4, group_size=128).double()
+for m in (1, 16, 40):
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    out = pgc.mixed_linear(x, q, s, bits=4, group_size=128)
+    assert torch.equal(out, pg.mixed_linear(x, q, s, bits=4, group_size=128)), m
+    ref = x.double() @ wd.T
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1.2e-2, m
+torch.cuda.synchronize()
+print("OK")
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("OK")
