@@ -227,8 +227,9 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
     # (128 k of int4, 64 of int8), so at K = 9856 (77 int4 chunks, whole chunks at M > 8
     # since K > 8192) and K = 6336 (99 int8 chunks) every warp walks 9-13 chunks, through
     # both of its register stages several times, and the last round of chunks is partial.
-    # N = 96: three blocks of 32 rows. Groups that scale each chunk's sum (g128, per channel)
-    # and groups folded into the weights (int4 g32, int8 g16); M on both sides of 8.
+    # N = 96: three blocks of 32 rows. Groups that scale each chunk's sum (int4 g128, int8
+    # g64, per channel) and groups folded into the weights (int4 g32, int8 g16); M on both
+    # sides of 8.
     n = 96
     w = rand((n, k), torch.float32, device)
     q, s = pg.quantize_weight(w, bits=bits, group_size=group)
