@@ -245,6 +245,33 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group,k", [
+    (4, 128, 2048), (4, None, 8320), (4, 32, 8320), (8, None, 2048), (8, 16, 1024),
+], ids=lambda v: str(v))
+def test_mixed_linear_sliced_m(device, bits, group, k):
+    # 16 < M <= 32 with the CUDA tensor-core GEMV's preconditions runs that GEMV over x in
+    # slices of 16 rows, one launch (bench/GPU_NOTES.md, run 47): M on both sides of the
+    # slice edge and of the limit (33 and 40 take the many-row path), half chunks (K = 2048) and
+    # whole ones (int4 K = 8320), groups that scale chunk sums and groups folded into the
+    # weights. N = 72: two blocks of 32 rows and an 8-row tail, which the CUDA path runs on
+    # the SIMT GEMV slice by slice; the tail is checked on its own. Bias and activation
+    # (the epilogue maps each slice's rows).
+    n = 72
+    w = rand((n, k), torch.float32, device)
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
+    for dtype in X_DTYPES[device]:
+        bias = rand((n,), dtype, device)
+        for m in (17, 24, 31, 32, 33, 40):
+            x = rand((m, k), dtype, device)
+            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="gelu")
+            ref = act_ref(x.cpu().double() @ wd.T + bias.cpu().double(), "gelu").to(device)
+            for rows, name in ((slice(0, 64), "blocks"), (slice(64, n), "tail")):
+                assert_close(out[:, rows], ref[:, rows], dtype, TOL[dtype],
+                             label=f"{dtype} K={k} M={m} {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,group,k", [
     (4, 128, 2048), (4, 24, 1200), (4, 6, 1026), (4, None, 1030),
     (8, 64, 2048), (8, 20, 1000), (8, 10, 1030), (8, None, 2053),
 ], ids=lambda v: str(v))

@@ -47,6 +47,18 @@ CASES = [
     (8192, 8192, 4, 128, 4, "bf16"), (8192, 8192, 4, 0, 1, "bf16"), (8192, 8192, 8, 0, 1, "bf16"),
     (8192, 8192, 8, 0, 8, "bf16"), (4096, 4096, 4, 128, 1, "bf16"), (28672, 8192, 4, 0, 1, "bf16"),
 ]
+# --cases mid: 16 < M <= 64, where the small-M GEMV in slices of 16 rows of x meets the GEMMs
+# for many rows (run 47); the shapes of issue 7, int4 g128 and int8 per channel, plus int4
+# per channel and f16 x at 8192^2.
+MID_CASES = [
+    (k, n, bits, g, m, "bf16")
+    for (k, n) in [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (4096, 12288),
+                   (11008, 4096), (4096, 22016)]
+    for bits, g in [(4, 128), (8, 0)]
+    for m in (24, 32, 48, 64)
+] + [(8192, 8192, 4, 0, m, "bf16") for m in (17, 32, 64)] + [
+    (8192, 8192, 4, 128, 17, "bf16"), (8192, 8192, 4, 128, 32, "f16"), (8192, 8192, 4, 128, 16, "bf16"),
+]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -55,14 +67,14 @@ def name(c) -> str:
     return f"({k},{n}) int{bits} g{g or 'ch'} M={m} {dt}"
 
 
-def run(tag: str, out: Path) -> None:
+def run(tag: str, out: Path, cases=CASES) -> None:
     import portable_gemm as pg
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from gpu_bench import copies_for, event_time_us, graph_time_us
 
     res, outs = {}, {}
-    for c in CASES:
+    for c in cases:
         k, n, bits, g, m, dt = c
         gen = torch.Generator(device="cuda").manual_seed(1234)
         w = torch.randn(n, k, device="cuda", dtype=DT[dt], generator=gen) * 0.02
@@ -121,13 +133,15 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--cases", choices=["small", "mid"], default="small",
+                   help="small: M <= 16 (the default list); mid: 16 < M <= 64")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
     c.add_argument("b")
     args = ap.parse_args()
     if args.cmd == "run":
-        run(args.tag, args.out)
+        run(args.tag, args.out, MID_CASES if args.cases == "mid" else CASES)
     else:
         compare(args.out, args.a, args.b)
     return 0

@@ -1,12 +1,14 @@
-// Times the kernel library's CPU fp32 gemm alone (no torch): random a [M, K], b [K, N],
-// c [M, N] row-major, the library's own pool at PORTABLE_GEMM_NUM_THREADS threads. Checks a
-// sample of outputs against float64 first, then prints the median and fastest call.
+// Times the kernel library's CPU gemm alone (no torch): random a [M, K], b [K, N], c [M, N],
+// fp32 or bf16 (DTYPE), b row-major or, with LAYOUT "t", the transposed view of a row-major
+// [N, K] weight (what F.linear and the weight-only M = 256 path multiply). The library's
+// own pool at PORTABLE_GEMM_NUM_THREADS threads. Checks a sample of outputs against float64
+// first, then prints the median and fastest call.
 // bench/CPU_NOTES.md 37 used it to A/B cache-block sizes. Built like kernel_mixed_linear.cpp
 // (see there), once per build of the library:
 //
 //   g++ -O2 -std=c++17 -Iinclude bench/probes/kernel_gemm.cpp -L$AB -lpgk_a
 //       -Wl,-rpath,$AB -o $AB/gemm_a
-//   PORTABLE_GEMM_NUM_THREADS=2 $AB/gemm_a M N K REPS
+//   PORTABLE_GEMM_NUM_THREADS=2 $AB/gemm_a M N K REPS [DTYPE f32|bf16 [LAYOUT n|t]]
 //
 // On a shared VM alternate the builds for several rounds (single runs moved 28-43 ms at
 // 1024^3 within minutes there).
@@ -15,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -22,22 +25,50 @@
 
 using namespace portable_gemm;
 
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return uint16_t(u >> 16);
+}
+static float from_bf16(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::fprintf(stderr, "usage: %s M N K REPS\n", argv[0]);
+    std::fprintf(stderr, "usage: %s M N K REPS [f32|bf16 [n|t]]\n", argv[0]);
     return 2;
   }
   const int64_t M = std::atol(argv[1]), N = std::atol(argv[2]), K = std::atol(argv[3]);
   const int reps = std::atoi(argv[4]);
+  const bool bf16 = argc > 5 && std::strcmp(argv[5], "bf16") == 0;
+  const bool trans = argc > 6 && std::strcmp(argv[6], "t") == 0;
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
+  // Values rounded to bf16 when the inputs are bf16, so the float64 reference sees them.
   std::vector<float> a(size_t(M * K)), b(size_t(K * N)), c(size_t(M * N));
-  for (auto& v : a) v = u(rng);
-  for (auto& v : b) v = u(rng);
+  for (auto& v : a) v = bf16 ? from_bf16(to_bf16(u(rng))) : u(rng);
+  for (auto& v : b) v = bf16 ? from_bf16(to_bf16(u(rng))) : u(rng);  // b[k][n], or w[n][k]
+  std::vector<uint16_t> ah, bh, ch;
+  if (bf16) {
+    for (float v : a) ah.push_back(to_bf16(v));
+    for (float v : b) bh.push_back(to_bf16(v));
+    ch.resize(c.size());
+  }
+  const DType dt = bf16 ? DType::bf16 : DType::f32;
+  const void* ap = bf16 ? static_cast<const void*>(ah.data()) : a.data();
+  const void* bp = bf16 ? static_cast<const void*>(bh.data()) : b.data();
+  void* cp = bf16 ? static_cast<void*>(ch.data()) : c.data();
   GemmArgs g;
-  g.a = {a.data(), M, K, K, 1, DType::f32};
-  g.b = {b.data(), K, N, N, 1, DType::f32};
-  g.c = {c.data(), M, N, N, 1, DType::f32};
+  g.a = {ap, M, K, K, 1, dt};
+  g.b = trans ? ConstMatrix{bp, K, N, 1, K, dt} : ConstMatrix{bp, K, N, N, 1, dt};
+  g.c = {cp, M, N, N, 1, dt};
+  auto bval = [&](int64_t k, int64_t j) { return double(trans ? b[size_t(j * K + k)] : b[size_t(k * N + j)]); };
+  auto cval = [&](int64_t i, int64_t j) { return bf16 ? double(from_bf16(ch[size_t(i * N + j)])) : double(c[size_t(i * N + j)]); };
   auto call = [&] {
     const Status st = cpu::gemm(g, builtin_executor());
     if (!st.ok()) {
@@ -51,12 +82,12 @@ int main(int argc, char** argv) {
     const int64_t i = (s * 7919) % M, j = (s * 104729) % N;
     double ref = 0, mag = 0;
     for (int64_t k = 0; k < K; ++k) {
-      ref += double(a[size_t(i * K + k)]) * b[size_t(k * N + j)];
-      mag += std::fabs(double(a[size_t(i * K + k)]) * b[size_t(k * N + j)]);
+      ref += double(a[size_t(i * K + k)]) * bval(k, j);
+      mag += std::fabs(double(a[size_t(i * K + k)]) * bval(k, j));
     }
-    err = std::max(err, std::fabs(c[size_t(i * N + j)] - ref) / mag);
+    err = std::max(err, std::fabs(cval(i, j) - ref) / mag);
   }
-  if (err > 1e-5) {
+  if (err > (bf16 ? 1e-2 : 1e-5)) {
     std::fprintf(stderr, "wrong: relative error %.3g\n", err);
     return 1;
   }

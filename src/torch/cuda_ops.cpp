@@ -27,7 +27,8 @@ struct CudaBackend {
   static void run(const GemmArgs& a, const Tensor& like, const char*) {
     launch(a, like, cuda::gemm);
   }
-  // More rows of x than the small-M kernels take (f16 / bf16 x, M > 16): on sm_90 the
+  // More rows of x than the small-M kernels take (f16 / bf16 x, M > 16, or more than the
+  // sliced tensor-core GEMV takes, cuda::mixed_linear_small_m): on sm_90 the
   // library's fused CUTLASS mixed-input GEMM when it applies; otherwise dequantise the
   // weight into a temporary, multiply with torch's own matmul (cuBLAS) and apply bias and
   // activation while storing. The library's mma.sync GEMM reaches ~0.2x cuBLAS there
@@ -35,12 +36,11 @@ struct CudaBackend {
   // bits per call. Weights whose 16-bit copy would exceed kMaxTempBytes keep the library's
   // GEMM: splitting them into row chunks was measured 7x slower (run 17: chunks of 4681
   // rows gave cuBLAS an odd leading dimension).
-  static constexpr int64_t kSmallM = 16;
   static constexpr int64_t kMaxTempBytes = int64_t(512) << 20;
   static void run(const MixedLinearArgs& a, const Tensor& x, const char*) {
     const bool half = a.x.dtype == DType::f16 || a.x.dtype == DType::bf16;
     const int64_t N = a.w.n, K = a.w.k;
-    if (a.x.rows <= kSmallM || !half || K == 0 || N > kMaxTempBytes / (2 * K)) {
+    if (cuda::mixed_linear_small_m(a) || !half || K == 0 || N > kMaxTempBytes / (2 * K)) {
       launch(a, x, cuda::mixed_linear);
       return;
     }

@@ -25,7 +25,8 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         pg.gemm(a.T.contiguous().T, b.T.contiguous().T)
         n_calls += 2
 for bits, group in ((8, None), (8, 32), (4, None), (4, 128)):
-    for m in (1, 5, 16) if INITCHECK else (1, 5, 16, 40, 300):  # 40, 300: both sm_90 tiles
+    # 24: the small-M GEMV in slices of 16 rows of x; 100, 300: both tiles of the sm_90 GEMM
+    for m in (1, 5, 16, 24) if INITCHECK else (1, 5, 16, 24, 100, 300):
         w = torch.randn(72, 256, device=dev, dtype=torch.bfloat16)
         q, s = pg.quantize_weight(w, bits=bits, group_size=group)
         for xdtype in (torch.float16, torch.bfloat16):

@@ -3,11 +3,15 @@
 //   M <= 16, f16/bf16 x (aligned, K % 128 (int4) / 64 (int8) == 0): tensor-core GEMV
 //                   (mma.sync, weight dequantised in registers into the A fragment) over
 //                   whole blocks of 32 rows; the last N % 32 rows on the SIMT GEMV.
+//   16 < M <= GEMV_SLICED_MAX_M, same conditions: the same GEMV over x in slices of 16
+//                   rows, one launch (see gemv_tc_kernel).
 //   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
 //   M > 16, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the fly
 //                   (the torch binding sends these to dequantize_rows + torch's matmul
 //                   instead, see src/torch/cuda_ops.cpp; the DLPack door runs this one).
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
+#include <algorithm>
+
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
 #include "cuda/tc_gemm.cuh"
@@ -364,7 +368,10 @@ Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
 // order of the MMAs is permuted (the dot product does not care) so that every lane uses
 // only its own piece, and x is loaded in the same permutation (16-byte loads + prmt).
 // Block = 8 warps over the same 16 * RT rows, splitting K (warp w takes chunks w, w + 8, ..);
-// the 8 partial results are summed through shared memory. Scales: per channel at the end;
+// the 8 partial results are summed through shared memory. M > 16 runs in slices of 16 rows
+// of x, one block per (32 weight rows, slice), the slices of a row block next to each other
+// in launch order: they run at the same time on neighbouring SMs, and all but the first to
+// ask for a weight line find it in L2, so DRAM reads the weight about once. Scales: per channel at the end;
 // groups that cover whole chunks on the fp32 partial of each chunk (exact); smaller groups
 // (a multiple of the piece) folded into the 16-bit weight before the MMA (q * s rounded
 // once to f16/bf16). int4 without folding (OFFSET) feeds the MMA OFF + q straight out of
@@ -415,6 +422,7 @@ struct TcvParams {
   int64_t y_rs, y_cs;
   int64_t N, K;
   int M, act;
+  int slices;  // blocks per 32 weight rows: x in slices of 16 rows (1 when M <= 16)
   // Set by the host from the above: the stride between a lane's weight rows (8 rows) in
   // bytes of weight and in bytes of scales, and how far the group index moves between two
   // chunks a warp loads (KW chunks apart): gstep whole groups plus grstep elements of k.
@@ -537,7 +545,7 @@ __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
 
 // Preconditions (gemv_tc_ok, launch_gemv_tc): p.N % ROWS == 0, K % CHUNK == 0, S the
 // scales' element type.
-template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF>
+template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF, bool SLICED = false>
 __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   using Cfg = TcvCfg<BITS, HALF>;
   constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU, WW = Cfg::WW;
@@ -545,7 +553,10 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   __shared__ float red[KW][NACC][32];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * tcv::ROWS;
+  // SLICED (M > 16): block b multiplies rows r0 .. r0 + 15 of x; otherwise all M <= 16 rows
+  // (a variant of its own: at the register cap, the slice's offset cost spills).
+  const int64_t n0 = static_cast<int64_t>(SLICED ? blockIdx.x / p.slices : blockIdx.x) * tcv::ROWS;
+  const int r0 = SLICED ? static_cast<int>(blockIdx.x % p.slices) * 16 : 0;
   const int64_t nchunks = p.K / CHUNK;
   const T* xg = static_cast<const T*>(p.x);
 
@@ -587,7 +598,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     const int64_t k = c * CHUNK + tig * LK;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const int m = min(mt * 8 + g, p.M - 1);
+      const int m = min(r0 + mt * 8 + g, p.M - 1);
       const uint4* src = reinterpret_cast<const uint4*>(xg + m * p.x_rs + k);
 #pragma unroll
       for (int u = 0; u < XU; ++u) xd[mt][u] = __ldg(src + u);
@@ -793,7 +804,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     for (int w = 0; w < KW; ++w) v += red[w][i][ln];
     const int rt = i / (MT * 4), mt = (i / 4) % MT, r = i % 4;
     const int64_t n = n0 + rt * 16 + (ln >> 2) + 8 * (r >> 1);
-    const int m = mt * 8 + 2 * (ln & 3) + (r & 1);
+    const int m = r0 + mt * 8 + 2 * (ln & 3) + (r & 1);
     if (n < p.N && m < p.M) {
       if (p.mode == 0) v *= to_f32(static_cast<const S*>(p.scales)[n * p.s_rs]);
       if (p.bias) v += to_f32(static_cast<const T*>(p.bias)[n * p.bias_stride]);
@@ -802,10 +813,22 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   }
 }
 
-// Launches gemv_tc_kernel over p.N rows (a multiple of tcv::ROWS).
+// The two-tile kernels (M > 8): half or whole chunks, offset form or not.
+template <typename T, typename S, int BITS, bool SLICED>
+void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t stream) {
+  if (BITS == 4 && tcv_half(p.M, p.K)) {
+    if (offset) gemv_tc_kernel<T, S, 4, 2, true, true, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else gemv_tc_kernel<T, S, 4, 2, false, true, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
+  } else {
+    if (offset) gemv_tc_kernel<T, S, BITS, 2, BITS == 4, false, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else gemv_tc_kernel<T, S, BITS, 2, false, false, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
+  }
+}
+
+// Launches gemv_tc_kernel over p.N rows (a multiple of tcv::ROWS) and p.slices slices of x.
 template <typename T, typename S, int BITS>
 Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
-  const int64_t blocks = p.N / tcv::ROWS;
+  const int64_t blocks = p.N / tcv::ROWS * p.slices;
   if (blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
   const unsigned nb = static_cast<unsigned>(blocks);
   // int4 with whole-chunk scales (per channel or groups of >= 128): the offset form.
@@ -813,12 +836,10 @@ Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
   if (p.M <= 8) {
     if (offset) gemv_tc_kernel<T, S, BITS, 1, BITS == 4, false><<<nb, tcv::THREADS, 0, stream>>>(p);
     else gemv_tc_kernel<T, S, BITS, 1, false, false><<<nb, tcv::THREADS, 0, stream>>>(p);
-  } else if (BITS == 4 && tcv_half(p.M, p.K)) {
-    if (offset) gemv_tc_kernel<T, S, 4, 2, true, true><<<nb, tcv::THREADS, 0, stream>>>(p);
-    else gemv_tc_kernel<T, S, 4, 2, false, true><<<nb, tcv::THREADS, 0, stream>>>(p);
+  } else if (p.slices > 1) {
+    launch_gemv_tc2<T, S, BITS, true>(p, offset, nb, stream);
   } else {
-    if (offset) gemv_tc_kernel<T, S, BITS, 2, BITS == 4, false><<<nb, tcv::THREADS, 0, stream>>>(p);
-    else gemv_tc_kernel<T, S, BITS, 2, false, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+    launch_gemv_tc2<T, S, BITS, false>(p, offset, nb, stream);
   }
   return launch_status();
 }
@@ -851,7 +872,17 @@ static QuantParams quant_params(const MixedLinearArgs& args) {
   return qp;
 }
 
-// The SIMT GEMV (M <= 16) over output channels [n_begin, N).
+// The small-M kernels take up to GEMV_MAX_M rows of x in one pass. With the tensor-core
+// GEMV's preconditions, up to GEMV_SLICED_MAX_M rows run as slices of GEMV_MAX_M in one
+// launch (gemv_tc_kernel). On the H200 (bench/GPU_NOTES.md, run 47), at M = 17..32 (two
+// slices) that took 0.37-0.90x the time of the sm_90 CUTLASS GEMM for int4 and 0.43-0.87x
+// for int8 on every shape of issue 7 but the two with 28672 (int8 there: 1.01-1.09x in graph
+// replay, 0.90-0.99x eager); at M = 48 and 64 (three and four slices) it lost (1.0-2.1x)
+// except at N = K = 4096.
+constexpr int64_t GEMV_MAX_M = 16;
+constexpr int64_t GEMV_SLICED_MAX_M = 32;
+
+// The SIMT GEMV (M <= 16; more rows in slices of 16) over output channels [n_begin, N).
 static Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream_t stream) {
   GemvParams p;
   p.w = quant_params(args);
@@ -870,9 +901,17 @@ static Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream
   p.y = static_cast<char*>(args.y.data) + n_begin * args.y.col_stride * xb;
   p.y_rs = args.y.row_stride;
   p.y_cs = args.y.col_stride;
-  p.M = static_cast<int>(args.x.rows);
   p.act = static_cast<int>(args.activation);
-  return p.w.bits == 8 ? gemv_dispatch<8>(p, stream) : gemv_dispatch<4>(p, stream);
+  // M > 16 (the sliced tensor-core GEMV's last N % 32 rows): one launch per 16 rows of x.
+  for (int64_t r0 = 0; r0 < args.x.rows; r0 += GEMV_MAX_M) {
+    GemvParams ps = p;
+    ps.x = static_cast<const char*>(args.x.data) + r0 * args.x.row_stride * xb;
+    ps.y = static_cast<char*>(p.y) + r0 * args.y.row_stride * xb;
+    ps.M = static_cast<int>(std::min<int64_t>(GEMV_MAX_M, args.x.rows - r0));
+    const Status st = p.w.bits == 8 ? gemv_dispatch<8>(ps, stream) : gemv_dispatch<4>(ps, stream);
+    if (!st.ok()) return st;
+  }
+  return Status{};
 }
 
 // The tensor-core GEMV's preconditions (else the SIMT GEMV): f16/bf16 x with unit column
@@ -926,6 +965,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.K = a.x.cols;
   p.M = static_cast<int>(a.x.rows);
   p.act = static_cast<int>(a.activation);
+  p.slices = static_cast<int>(ceil_div(a.x.rows, GEMV_MAX_M));
   if (p.N > 0) {
     const Status st = a.x.dtype == DType::f16
                           ? launch_gemv_tc<__half, BITS>(p, a.w.scales_dtype, stream)
@@ -934,8 +974,6 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   }
   return p.N < a.w.n ? gemv_simt(a, p.N, stream) : Status{};
 }
-
-constexpr int64_t GEMV_MAX_M = 16;
 
 }  // namespace detail
 
@@ -962,6 +1000,13 @@ Status mixed_tc(const MixedLinearArgs& args, QuantParams qp, const Epilogue& ep,
 
 }  // namespace
 
+bool mixed_linear_small_m(const MixedLinearArgs& args) {
+  const int64_t M = args.x.rows;
+  if (M <= GEMV_MAX_M) return true;
+  if (M > GEMV_SLICED_MAX_M) return false;
+  return args.w.bits == 4 ? gemv_tc_ok<4>(args) : args.w.bits == 8 && gemv_tc_ok<8>(args);
+}
+
 Status mixed_linear(const MixedLinearArgs& args, void* stream_ptr) {
   const Status v = validate_mixed_linear(args);
   if (!v.ok()) return v;
@@ -974,7 +1019,7 @@ Status mixed_linear(const MixedLinearArgs& args, void* stream_ptr) {
     return Status{static_cast<int32_t>(cudaErrorInvalidValue),
                   "portable_gemm.cuda.mixed_linear: bits must be 4 or 8"};
 
-  if (M <= GEMV_MAX_M) {
+  if (mixed_linear_small_m(args)) {
     if (qp.bits == 4 ? gemv_tc_ok<4>(args) : gemv_tc_ok<8>(args))
       return qp.bits == 4 ? gemv_tc_dispatch<4>(args, stream) : gemv_tc_dispatch<8>(args, stream);
     return gemv_simt(args, 0, stream);

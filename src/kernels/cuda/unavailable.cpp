@@ -13,6 +13,7 @@ Status unavailable() { return Status{1, kNoCuda}; }
 
 Status gemm(const GemmArgs&, void*) { return unavailable(); }
 Status mixed_linear(const MixedLinearArgs&, void*) { return unavailable(); }
+bool mixed_linear_small_m(const MixedLinearArgs&) { return false; }
 Status quantize(const QuantizeArgs&, void*) { return unavailable(); }
 Status dequantize_rows(const QuantizedWeight&, int64_t, int64_t, Matrix, void*) { return unavailable(); }
 Status bias_act_store(ConstMatrix, int64_t, const void*, int64_t, Activation, Matrix, void*) {
