@@ -59,6 +59,23 @@ def test_exact_weights_round_trip(device, bits, group):
     assert torch.equal(back, w.cpu().double())
 
 
+def check_m_list(device, q, s, bits, group, ms, activation="none", parts=None, label=""):
+    """mixed_linear with a bias and `activation` for every x dtype of the device and every M
+    in ms, against a float64 reference; parts names slices of the output channels that are
+    checked apart (a path that runs them on another kernel)."""
+    n, k = q.shape[0], q.shape[1] * (2 if bits == 4 else 1)
+    wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
+    for dtype in X_DTYPES[device]:
+        bias = rand((n,), dtype, device)
+        for m in ms:
+            x = rand((m, k), dtype, device)
+            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation=activation)
+            ref = act_ref(x.cpu().double() @ wd.T + bias.cpu().double(), activation).to(device)
+            for name, rows in (parts or {"": slice(0, n)}).items():
+                assert_close(out[:, rows], ref[:, rows], dtype, TOL[dtype],
+                             label=f"{dtype} K={k} M={m} {label}{name}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sdtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (8, 128), (4, None), (4, 32), (4, 128)],
@@ -181,20 +198,10 @@ def test_mixed_linear_small_m_scale_dtypes(device, sdtype, bits, group):
     # folded into the weight), K = 2048 so that each of its warps walks several chunks,
     # N = 72: two whole 32-row blocks and an 8-row tail, which the CUDA path sends to another
     # kernel; the tail is checked on its own, with a bias and an activation.
-    n, k = 72, 2048
-    w = rand((n, k), torch.float32, device)
-    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
-    s = s.to(sdtype)
-    wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
-    for dtype in X_DTYPES[device]:
-        bias = rand((n,), dtype, device)
-        for m in (1, 3, 5, 7, 12, 16):  # 3 and 7: the CPU blocks of 3 rows of x
-            x = rand((m, k), dtype, device)
-            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
-            ref = act_ref(x.cpu().double() @ wd.T + bias.cpu().double(), "silu").to(device)
-            for rows, name in ((slice(0, 64), "blocks"), (slice(64, n), "tail")):
-                assert_close(out[:, rows], ref[:, rows], dtype, TOL[dtype],
-                             label=f"{dtype} M={m} {name}")
+    q, s = pg.quantize_weight(rand((72, 2048), torch.float32, device), bits=bits, group_size=group)
+    # M = 3 and 7: the CPU blocks of 3 rows of x
+    check_m_list(device, q, s.to(sdtype), bits, group, (1, 3, 5, 7, 12, 16), activation="silu",
+                 parts={"blocks": slice(0, 64), "tail": slice(64, 72)})
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -204,18 +211,9 @@ def test_mixed_linear_small_m_int4_chunk_sizes(device, group):
     # prefetched a chunk ahead; groups of 64 then scale each chunk's sum) up to K = 8192, and
     # in whole chunks above (bench/GPU_NOTES.md, run 39): K on both sides of that bound, at
     # M = 8 (the one-tile kernel), 9 and 16, with a bias.
-    n = 64
     for k in (8192, 8320):
-        w = rand((n, k), torch.float32, device)
-        q, s = pg.quantize_weight(w, bits=4, group_size=group)
-        wd = dequant_ref(q.cpu(), s.cpu(), 4, group)
-        for dtype in X_DTYPES[device]:
-            bias = rand((n,), dtype, device)
-            for m in (8, 9, 16):
-                x = rand((m, k), dtype, device)
-                out = pg.mixed_linear(x, q, s, bits=4, group_size=group, bias=bias)
-                ref = (x.cpu().double() @ wd.T + bias.cpu().double()).to(device)
-                assert_close(out, ref, dtype, TOL[dtype], label=f"{dtype} K={k} M={m}")
+        q, s = pg.quantize_weight(rand((64, k), torch.float32, device), bits=4, group_size=group)
+        check_m_list(device, q, s, 4, group, (8, 9, 16))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -230,17 +228,8 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
     # N = 96: three blocks of 32 rows. Groups that scale each chunk's sum (int4 g128, int8
     # g64, per channel) and groups folded into the weights (int4 g32, int8 g16); M on both
     # sides of 8.
-    n = 96
-    w = rand((n, k), torch.float32, device)
-    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
-    wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
-    for dtype in X_DTYPES[device]:
-        bias = rand((n,), dtype, device)
-        for m in (1, 5, 8, 9, 16):
-            x = rand((m, k), dtype, device)
-            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias)
-            ref = (x.cpu().double() @ wd.T + bias.cpu().double()).to(device)
-            assert_close(out, ref, dtype, TOL[dtype], label=f"{dtype} K={k} M={m}")
+    q, s = pg.quantize_weight(rand((96, k), torch.float32, device), bits=bits, group_size=group)
+    check_m_list(device, q, s, bits, group, (1, 5, 8, 9, 16))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -255,19 +244,9 @@ def test_mixed_linear_sliced_m(device, bits, group, k):
     # weights. N = 72: two blocks of 32 rows and an 8-row tail, which the CUDA path runs on
     # the SIMT GEMV slice by slice; the tail is checked on its own. Bias and activation
     # (the epilogue maps each slice's rows).
-    n = 72
-    w = rand((n, k), torch.float32, device)
-    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
-    wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
-    for dtype in X_DTYPES[device]:
-        bias = rand((n,), dtype, device)
-        for m in (17, 24, 31, 32, 33, 40):
-            x = rand((m, k), dtype, device)
-            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="gelu")
-            ref = act_ref(x.cpu().double() @ wd.T + bias.cpu().double(), "gelu").to(device)
-            for rows, name in ((slice(0, 64), "blocks"), (slice(64, n), "tail")):
-                assert_close(out[:, rows], ref[:, rows], dtype, TOL[dtype],
-                             label=f"{dtype} K={k} M={m} {name}")
+    q, s = pg.quantize_weight(rand((72, k), torch.float32, device), bits=bits, group_size=group)
+    check_m_list(device, q, s, bits, group, (17, 24, 31, 32, 33, 40), activation="gelu",
+                 parts={"blocks": slice(0, 64), "tail": slice(64, 72)})
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -21,22 +21,11 @@
 #include <random>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "portable_gemm/kernels.h"
 
 using namespace portable_gemm;
 
-static uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return uint16_t(u >> 16);
-}
-static float from_bf16(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 int main(int argc, char** argv) {
   if (argc < 5) {
