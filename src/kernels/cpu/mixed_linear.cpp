@@ -1,7 +1,8 @@
 // Weight-only quantised linear: y = act(x @ dequant(w)^T + bias).
 //
 // Two regimes:
-//  * small M (decode; M <= 16 or 32, see kSmallM): threads take blocks of output channels.
+//  * small M (decode; M <= 16, 32 or 64, see small_m_max_rows): threads take blocks of
+//    output channels.
 //    x is converted once to a contiguous fp32 buffer. For bf16 x on AVX512-BF16 CPUs
 //    (groups of whole 64-byte weight blocks) also to a bf16 copy in the lane order of one
 //    of two vdpbf16ps paths, both with exact int -> bf16 weights and group scales applied
@@ -38,15 +39,13 @@ namespace cpu {
 
 namespace {
 
-// Above these M the dense path wins (measured A/B on the dev machine): from 17 rows when x
-// is bf16 and the vdpbf16ps GEMM runs it, unless the small path uses vdpbf16ps as well and
-// the scales are per channel (small_rows_tile); from 33 rows otherwise. With group scales
-// the tile path applies a scale per group and row, and since the dense path's one-pass
-// packer it loses from M = 24 (dense 0.70-0.89x its time at M = 24 and 32, g128, 4096 x
-// 12288 and 8192^2; about even at 17); per channel the tile path still wins up to 24 and
-// ties at 32 (bench/CPU_NOTES.md, 15 and 19).
+// Above these M the dense path wins (measured A/B, see small_m_max_rows): from 33 rows in
+// general, from 17 when x is bf16 and the vdpbf16ps GEMM runs the dense path but the small
+// one cannot use vdpbf16ps (groups that are not whole 64-byte blocks), and from 65 with the
+// tile path (small_rows_tile) and per-channel scales where no AMX GEMM takes the dense path.
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kSmallMPairs = 16;
+constexpr int64_t kSmallMTile = 64;
 // k per pass of small_rows_tile: 1024 rather than 512 halves the passes, each of which loads
 // and stores its 4 x MB partial sums; the weights' bf16 copy (8 KB) and a chunk of x (8 KB)
 // still sit in L1. On the Zen 5 VM of bench/CPU_NOTES.md 34: int8 M = 16 1.16x and int4 g128
@@ -1548,6 +1547,24 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
 }
 #endif
 
+// Rows of x up to which mixed_linear takes the small-M path; above, the dense path (AMX
+// CPUs run amx_linear for kAmxMinM..kAmxMaxM rows before either). On the Zen 5 VM of
+// bench/CPU_NOTES.md 38 (6 alternating rounds, median of the per-round ratios), the tile
+// path against the dense one: group scales (g128, int4 and int8, 8192^2 and 4096 x 12288)
+// 0.73-0.85x the time at M = 24 and 0.87-0.96x at 32 (section 19 had found the opposite,
+// before section 34 made the tile path 1.06-1.16x faster); per channel 0.78-0.86x at
+// M = 33-64 for int8 at 8192^2 and 4096 x 12288, 0.82x at 48 and 0.88-1.01x at 64 for int4,
+// and about even for int8 4096^2 at 64 (1.07x, 4 rounds of 0.93-1.66).
+int64_t small_m_max_rows(const MixedLinearArgs& a) {
+  if (!has_bf16_x_pairs(a)) return kSmallM;
+  if (!small_m_bf16(a)) return kSmallMPairs;
+  if (a.w.group_size != 0 && a.w.group_size < a.w.k) return kSmallM;
+#if PG_X86
+  if (amx_usable(a)) return kSmallM;  // the dense path's GEMM on the tile unit (CPU_NOTES 21)
+#endif
+  return kSmallMTile;
+}
+
 }  // namespace
 
 Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
@@ -1558,14 +1575,12 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
   bool ok = false;
   try {
     const bool pairs = has_bf16_x_pairs(args);
-    const bool grouped = args.w.group_size != 0 && args.w.group_size < K;
 #if PG_X86
     if (K > 0 && M >= kAmxMinM && M <= kAmxMaxM && amx_usable(args)) {
       ok = amx_linear(args, exec);
     } else
 #endif
-    if (M <= (pairs && (grouped || !small_m_bf16(args)) ? kSmallMPairs : kSmallM) ||
-        K == 0) {
+    if (M <= small_m_max_rows(args) || K == 0) {
       ok = small_m(args, exec);
     } else {
       DenseProblem p;
