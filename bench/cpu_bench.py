@@ -459,13 +459,15 @@ def main() -> int:
     ap.add_argument("--compare-target", default="2.9",
                     help="also time a few cases under this target (its own pool) vs the default; '' to skip")
     ap.add_argument("--render", metavar="JSON",
-                    help="only rewrite the markdown table next to JSON from its measurements (no timing)")
+                    help="only rewrite the markdown table and the plot next to JSON from its measurements "
+                         "(no timing)")
     args = ap.parse_args()
     if args.render:
         src = Path(args.render)
         d = json.loads(src.read_text())
         md = markdown(d["meta"], d["dense"], d["weight_only"], d.get("targets"))
         src.with_suffix(".md").write_text(md)
+        plot(d["weight_only"], d["meta"]["read_GBps"], src.with_suffix(".png"))
         print(md)
         return 0
     torch.set_num_threads(args.threads)
