@@ -6,9 +6,10 @@
 //   16 < M <= GEMV_SLICED_MAX_M, same conditions: the same GEMV over x in slices of 16
 //                   rows, one launch (see gemv_tc_kernel).
 //   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
-//   M > 16, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the fly
-//                   (the torch binding sends these to dequantize_rows + torch's matmul
-//                   instead, see src/torch/cuda_ops.cpp; the DLPack door runs this one).
+//   more rows, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the
+//                   fly (the torch binding sends these to the sm_90 CUTLASS GEMM or to
+//                   dequantize_rows + torch's matmul instead, see src/torch/cuda_ops.cpp and
+//                   mixed_linear_small_m; the DLPack door runs this one).
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
 
@@ -371,14 +372,14 @@ Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
 // the 8 partial results are summed through shared memory. M > 16 runs in slices of 16 rows
 // of x, one block per (32 weight rows, slice), the slices of a row block next to each other
 // in launch order: they run at the same time on neighbouring SMs, and all but the first to
-// ask for a weight line find it in L2, so DRAM reads the weight about once. Scales: per channel at the end;
-// groups that cover whole chunks on the fp32 partial of each chunk (exact); smaller groups
-// (a multiple of the piece) folded into the 16-bit weight before the MMA (q * s rounded
-// once to f16/bf16). int4 without folding (OFFSET) feeds the MMA OFF + q straight out of
-// the magic-number trick and subtracts OFF . x per chunk (one extra MMA per k step,
-// shared by all RT tiles) instead of a subtraction per weight pair: 3-5% faster on the
-// H200 (bench/GPU_NOTES.md, run 12), where this kernel is bound neither by the bytes in
-// flight (runs 11, 13) nor by this arithmetic alone.
+// ask for a weight line find it in L2, so DRAM reads the weight about once.
+// Scales: per channel at the end; groups that cover whole chunks on the fp32 partial of
+// each chunk (exact); smaller groups (a multiple of the piece) folded into the 16-bit
+// weight before the MMA (q * s rounded once to f16/bf16). int4 without folding (OFFSET)
+// feeds the MMA OFF + q straight out of the magic-number trick and subtracts OFF . x per
+// chunk (one extra MMA per k step, shared by all RT tiles) instead of a subtraction per
+// weight pair: 3-5% faster on the H200 (bench/GPU_NOTES.md, run 12), where this kernel is
+// bound neither by the bytes in flight (runs 11, 13) nor by this arithmetic alone.
 namespace tcv {
 constexpr int THREADS = 256;
 constexpr int KW = THREADS / 32;  // warps per block, splitting K
@@ -820,8 +821,10 @@ void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t 
     if (offset) gemv_tc_kernel<T, S, 4, 2, true, true, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
     else gemv_tc_kernel<T, S, 4, 2, false, true, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
   } else {
-    if (offset) gemv_tc_kernel<T, S, BITS, 2, BITS == 4, false, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
-    else gemv_tc_kernel<T, S, BITS, 2, false, false, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
+    if (offset)
+      gemv_tc_kernel<T, S, BITS, 2, BITS == 4, false, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
+    else
+      gemv_tc_kernel<T, S, BITS, 2, false, false, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
   }
 }
 
