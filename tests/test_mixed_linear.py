@@ -59,7 +59,7 @@ def test_exact_weights_round_trip(device, bits, group):
     assert torch.equal(back, w.cpu().double())
 
 
-def check_m_list(device, q, s, bits, group, ms, activation="none", parts=None, label=""):
+def check_m_list(device, q, s, bits, group, ms, activation="none", parts=None):
     """mixed_linear with a bias and `activation` for every x dtype of the device and every M
     in ms, against a float64 reference; parts names slices of the output channels that are
     checked apart (a path that runs them on another kernel)."""
@@ -73,7 +73,7 @@ def check_m_list(device, q, s, bits, group, ms, activation="none", parts=None, l
             ref = act_ref(x.cpu().double() @ wd.T + bias.cpu().double(), activation).to(device)
             for name, rows in (parts or {"": slice(0, n)}).items():
                 assert_close(out[:, rows], ref[:, rows], dtype, TOL[dtype],
-                             label=f"{dtype} K={k} M={m} {label}{name}")
+                             label=f"{dtype} K={k} M={m} {name}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
