@@ -166,15 +166,24 @@ def test_many_rows_mixed_linear_paths(dtype, bits, group, m):
         assert_close(out, ref, dtype, label=activation)
 
 
+# (M, N, K, stream-K on sm_90): each of the six mixed-input kernels of a (dtype, bits) once.
+# On sm_90 with M <= 256, few output tiles (N = 264: 3 tiles of 128 weight rows, the last
+# partial) over a long K take the stream-K scheduler, which splits each tile's K loop over
+# many SMs and adds the fp32 partials through the workspace in K order, so a repeated call
+# is bit-identical; many tiles (68 or more for N = 8704) take the persistent one. The tile
+# is 64 rows of x wide up to M = 64, 128 up to 128, and at M = 129..256 256 wide where
+# N / 128 tiles give a quarter of the SMs one (N = 4352 and 8704 here), else 128.
+TILE_CASES = [
+    (48, 264, 8192, True), (48, 8704, 256, False),  # 64 wide
+    (100, 264, 8192, True), (100, 8704, 256, False), (256, 264, 8192, True),  # 128 wide
+    (256, 4352, 1024, True), (256, 8704, 256, False),  # 256 wide
+]
+
+
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, None)], ids=["int4-g128", "int8-chan"])
-@pytest.mark.parametrize("m", [48, 256], ids=lambda m: f"M{m}")
-@pytest.mark.parametrize("n,k", [(264, 8192), (8704, 256)], ids=["few-tiles-long-K", "many-tiles"])
-def test_mixed_linear_tile_schedulers(bits, group, m, n, k):
-    # On sm_90 with M <= 256: few output tiles (N = 264: 3 tiles of 128 rows, the last
-    # partial) over a long K take the stream-K scheduler, which splits each tile's K loop
-    # over many SMs and adds the fp32 partials through the workspace in K order, so a
-    # repeated call is bit-identical; many tiles (68 or 136 for N = 8704) take the
-    # persistent one. Elsewhere the same cases check the other paths.
+@pytest.mark.parametrize("m,n,k,stream_k", TILE_CASES, ids=lambda v: str(v))
+def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k):
+    # Elsewhere the same cases check the other paths.
     w = rand((n, k), torch.float32, "cuda")
     q, s = pg.quantize_weight(w, bits=bits, group_size=group)
     x = rand((m, k), torch.bfloat16, "cuda")
@@ -188,7 +197,7 @@ def test_mixed_linear_tile_schedulers(bits, group, m, n, k):
         names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=bits, group_size=group))
         cutlass = [name for name in names if "cutlass" in name]
         # the scheduler's type is part of the kernel's (mangled) name
-        assert cutlass and all(("StreamK" in name) == (n == 264) for name in cutlass), names
+        assert cutlass and all(("StreamK" in name) == stream_k for name in cutlass), names
 
 
 @pytest.mark.skipif(not _is_sm90(), reason="the CUTLASS path runs on sm_90 (Hopper) only")

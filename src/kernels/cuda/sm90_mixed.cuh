@@ -17,10 +17,10 @@ namespace sm90 {
 
 using namespace cute;
 
-// 128 weight rows x TileM rows of x x 64 tiles, two consumer warp groups, no cluster. TileM =
-// 128 for up to 256 rows of x, 256 above: the wider tile converts each weight element half
-// as often (0.91-1.00x bf16 cuBLAS at M >= 1024 against 0.65-0.86x; run 20 of
-// bench/GPU_NOTES.md), the narrower one leaves fewer idle rows at small M.
+// 128 weight rows x TileM rows of x x 64 tiles, two consumer warp groups, no cluster. TileM is
+// 64, 128 or 256 (kernel_choice below): a wider tile converts each weight element fewer
+// times (0.91-1.00x bf16 cuBLAS at M >= 1024 for 256 against 0.65-0.86x for 128; run 20 of
+// bench/GPU_NOTES.md), a narrower one leaves fewer idle rows at small M.
 // With few rows of x there are only N / 128 tiles (64 for N = 8192: half of the H200's 132
 // SMs idle while each tile streams 128 whole weight rows). When the tiles fill at most half
 // of the SMs, the kernel runs under CUTLASS's stream-K scheduler (StreamK = true): it splits
@@ -139,20 +139,48 @@ struct MixedRun {
   }
 };
 
-// The kernel for p: 0 = 128-wide tile under stream-K, 1 = 128-wide tile, 2 = 256-wide tile.
-inline int kernel_choice(const Sm90MixedProblem& p) {
-  if (p.M > 256) return 2;
-  const int64_t tiles = ceil_div(p.N, 128) * ceil_div(p.M, 128);
-  return 2 * tiles <= p.sm_count ? 0 : 1;
+// The kernel for p: the tile's width in rows of x, and whether stream-K schedules it
+// (bench/GPU_NOTES.md, run 48: each width against the others on the issue's shapes, graph
+// replay):
+// - up to 64 rows, 64 wide: 0.73-0.95x the 128-wide tile's time at M = 48 and 64 on every
+//   shape (half of a 128-wide tile's MMAs would multiply the padding);
+// - up to 128 rows, 128 wide: the 64-wide tile converts each weight twice and lost there
+//   (1.13-1.70x), except at 4096^2;
+// - 129..256 rows, 256 wide where its N / 128 tiles give at least a quarter of the SMs one
+//   (N >= 8192 on the H200): 0.77-0.89x at N = 12288 and 28672 and at (28672, 8192),
+//   0.97-1.03x at 8192^2 and N = 22016; with fewer tiles (N = 4096: 32 tiles split over 132
+//   SMs by stream-K) it lost (1.02-1.27x), so 128 wide there;
+// - above 256 rows, 256 wide (run 20).
+// Stream-K when the tiles fill at most half of the SMs, at up to 256 rows (run 27).
+struct MixedChoice {
+  int tile;
+  bool stream_k;
+};
+inline MixedChoice kernel_choice(const Sm90MixedProblem& p) {
+  const int64_t row_tiles = ceil_div(p.N, 128);
+  int tile = 256;
+  if (p.M <= 64)
+    tile = 64;
+  else if (p.M <= 128 || (p.M <= 256 && 4 * row_tiles < p.sm_count))
+    tile = 128;
+  const int64_t tiles = row_tiles * ceil_div(p.M, tile);
+  return {tile, p.M <= 256 && 2 * tiles <= p.sm_count};
 }
+
+// Calls MixedRun<...>::CALL for kernel_choice(p); the six kernels of each (T, Q).
+#define PG_MIXED_SWITCH(CALL)                                               \
+  switch (kernel_choice(p).tile * 2 + (kernel_choice(p).stream_k ? 1 : 0)) { \
+    case 129: return MixedRun<T, TE, Q, 64, true>::CALL;                    \
+    case 128: return MixedRun<T, TE, Q, 64, false>::CALL;                   \
+    case 257: return MixedRun<T, TE, Q, 128, true>::CALL;                   \
+    case 256: return MixedRun<T, TE, Q, 128, false>::CALL;                  \
+    case 513: return MixedRun<T, TE, Q, 256, true>::CALL;                   \
+    default: return MixedRun<T, TE, Q, 256, false>::CALL;                   \
+  }
 
 template <typename T, typename TE, typename Q>
 bool dispatch_tile(const Sm90MixedProblem& p, cudaStream_t stream, Status* status) {
-  switch (kernel_choice(p)) {
-    case 0: return MixedRun<T, TE, Q, 128, true>::run(p, stream, status);
-    case 1: return MixedRun<T, TE, Q, 128, false>::run(p, stream, status);
-    default: return MixedRun<T, TE, Q, 256, false>::run(p, stream, status);
-  }
+  PG_MIXED_SWITCH(run(p, stream, status))
 }
 
 template <typename T, typename TE>
@@ -164,11 +192,7 @@ bool dispatch_mixed(const Sm90MixedProblem& p, cudaStream_t stream, Status* stat
 // The CUTLASS workspace dispatch_mixed needs for p (the same choice of kernel).
 template <typename T, typename TE, typename Q>
 int64_t workspace_tile(const Sm90MixedProblem& p) {
-  switch (kernel_choice(p)) {
-    case 0: return MixedRun<T, TE, Q, 128, true>::workspace(p);
-    case 1: return MixedRun<T, TE, Q, 128, false>::workspace(p);
-    default: return MixedRun<T, TE, Q, 256, false>::workspace(p);
-  }
+  PG_MIXED_SWITCH(workspace(p))
 }
 
 template <typename T, typename TE>
