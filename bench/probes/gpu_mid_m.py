@@ -9,8 +9,10 @@ An eager time near the host time and far above the graph time is host-bound.
 With --profile it also lists the kernels of one call of a few cases (torch.profiler).
 With --tiles 64,128,256 it instead times, in the same process and in alternating rounds,
 the CUTLASS mixed-input kernel under each tile width given (the temporary switch
-PGX_MIXED_TILE of run 48, read per call), graph replay, best of the rounds, and prints
-each against the shipped choice and bf16 F.linear, with the outputs' distance.
+PGX_MIXED_TILE of run 48b, read per call), graph replay, best of the rounds, and prints
+each against the shipped choice and bf16 F.linear, with the outputs' distance. The switch
+left the library with run 48b: to repeat the A/B, put it back into kernel_choice
+(src/kernels/cuda/sm90_mixed.cuh; bench/GPU_NOTES.md, run 48b, has its form).
 
     python bench/probes/gpu_mid_m.py [--quick] [--profile] [--json FILE]
     python bench/probes/gpu_mid_m.py --tiles 64,128,256 [--rounds 2] [--ms 48,64,...]
@@ -48,15 +50,11 @@ def host_us(fn, n: int = 400) -> float:
     return t
 
 
-def tiles_ab(tiles: list[int], ms, rounds: int) -> None:
-    import os
-
+def cases(ms):
+    """Yields (K, N, bits, group, M, ours, ref) for every case: pg.mixed_linear and bf16
+    F.linear as fn(i), the weights rotated past L2 over i, random inputs."""
     import portable_gemm as pg
 
-    cols = ["shipped"] + [str(t) for t in tiles]
-    print(f"graph replay, best of {rounds} alternating rounds; time / shipped (below 1: faster)")
-    print(f"{'K':>6} {'N':>6} {'scheme':>9} {'M':>4} | {'shipped us':>10} " +
-          " ".join(f"{'t' + t:>7}" for t in cols[1:]) + f" | {'bf16 us':>8} {'best x bf16':>11} | max diff")
     for k, n in SHAPES:
         torch.manual_seed(0)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -68,34 +66,45 @@ def tiles_ab(tiles: list[int], ms, rounds: int) -> None:
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
-                def ours(i=0):
+                def ours(i=0, x=x, bits=bits, g=g, qs=qs, nq=nq):
                     qq, ss = qs[i % nq]
                     return pg.mixed_linear(x, qq, ss, bits=bits, group_size=g or None)
 
-                def ref(i=0):
+                def ref(i=0, x=x):
                     return torch.nn.functional.linear(x, ws[i % len(ws)])
 
-                best = {c: float("inf") for c in cols}
-                outs = {}
-                for _ in range(rounds):
-                    for c in cols:
-                        if c == "shipped":
-                            os.environ.pop("PGX_MIXED_TILE", None)
-                        else:
-                            os.environ["PGX_MIXED_TILE"] = c
-                        best[c] = min(best[c], graph_time_us(ours, 20))
-                        outs[c] = ours().float()
-                os.environ.pop("PGX_MIXED_TILE", None)
-                r_us = graph_time_us(ref, 20)
-                diff = max(((outs[c] - outs["shipped"]).abs().max() / outs["shipped"].abs().max()).item()
-                           for c in cols)
-                fastest = min(best.values())
-                print(f"{k:6d} {n:6d} {'int%d g%s' % (bits, g or 'ch'):>9} {m:4d} | {best['shipped']:10.1f} " +
-                      " ".join(f"{best[c] / best['shipped']:7.3f}" for c in cols[1:]) +
-                      f" | {r_us:8.1f} {r_us / fastest:11.2f} | {diff:.1e}", flush=True)
+                yield k, n, bits, g, m, ours, ref
             del qs
         del ws, w
         torch.cuda.empty_cache()
+
+
+def tiles_ab(tiles: list[int], ms, rounds: int) -> None:
+    import os
+
+    cols = ["shipped"] + [str(t) for t in tiles]
+    print(f"graph replay, best of {rounds} alternating rounds; time / shipped (below 1: faster)")
+    print(f"{'K':>6} {'N':>6} {'scheme':>9} {'M':>4} | {'shipped us':>10} " +
+          " ".join(f"{'t' + t:>7}" for t in cols[1:]) + f" | {'bf16 us':>8} {'best x bf16':>11} | max diff")
+    for k, n, bits, g, m, ours, ref in cases(ms):
+        best = {c: float("inf") for c in cols}
+        outs = {}
+        for _ in range(rounds):
+            for c in cols:
+                if c == "shipped":
+                    os.environ.pop("PGX_MIXED_TILE", None)
+                else:
+                    os.environ["PGX_MIXED_TILE"] = c
+                best[c] = min(best[c], graph_time_us(ours, 20))
+                outs[c] = ours().float()
+        os.environ.pop("PGX_MIXED_TILE", None)
+        r_us = graph_time_us(ref, 20)
+        diff = max(((outs[c] - outs["shipped"]).abs().max() / outs["shipped"].abs().max()).item()
+                   for c in cols)
+        fastest = min(best.values())
+        print(f"{k:6d} {n:6d} {'int%d g%s' % (bits, g or 'ch'):>9} {m:4d} | {best['shipped']:10.1f} " +
+              " ".join(f"{best[c] / best['shipped']:7.3f}" for c in cols[1:]) +
+              f" | {r_us:8.1f} {r_us / fastest:11.2f} | {diff:.1e}", flush=True)
 
 
 def main() -> int:
@@ -117,38 +126,18 @@ def main() -> int:
     rows = []
     print(f"{'K':>6} {'N':>6} {'scheme':>9} {'M':>4} | {'ours graph':>10} {'eager':>7} {'host':>7} | "
           f"{'bf16 graph':>10} {'eager':>7} {'host':>7} | {'x graph':>7} {'x eager':>7}", flush=True)
-    for k, n in SHAPES:
-        torch.manual_seed(0)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        ws = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)]
-        for bits, g in SCHEMES:
-            q, s = pg.quantize_weight(w, bits=bits, group_size=g or None)
-            nq = copies_for(q.numel() * q.element_size() + s.numel() * s.element_size())
-            qs = [(q, s)] + [(q.clone(), s.clone()) for _ in range(nq - 1)]
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-
-                def ours(i=0):
-                    qq, ss = qs[i % nq]
-                    return pg.mixed_linear(x, qq, ss, bits=bits, group_size=g or None)
-
-                def ref(i=0):
-                    return torch.nn.functional.linear(x, ws[i % len(ws)])
-
-                r = {"K": k, "N": n, "bits": bits, "group": g, "M": m,
-                     "ours_graph_us": graph_time_us(ours, 20), "ours_eager_us": event_time_us(ours, 50)[0],
-                     "ours_host_us": host_us(ours),
-                     "ref_graph_us": graph_time_us(ref, 20), "ref_eager_us": event_time_us(ref, 50)[0],
-                     "ref_host_us": host_us(ref)}
-                rows.append(r)
-                print(f"{k:6d} {n:6d} {'int%d g%s' % (bits, g or 'ch'):>9} {m:4d} | "
-                      f"{r['ours_graph_us']:10.1f} {r['ours_eager_us']:7.1f} {r['ours_host_us']:7.1f} | "
-                      f"{r['ref_graph_us']:10.1f} {r['ref_eager_us']:7.1f} {r['ref_host_us']:7.1f} | "
-                      f"{r['ref_graph_us'] / r['ours_graph_us']:7.2f} {r['ref_eager_us'] / r['ours_eager_us']:7.2f}",
-                      flush=True)
-            del qs
-        del ws, w
-        torch.cuda.empty_cache()
+    for k, n, bits, g, m, ours, ref in cases(ms):
+        r = {"K": k, "N": n, "bits": bits, "group": g, "M": m,
+             "ours_graph_us": graph_time_us(ours, 20), "ours_eager_us": event_time_us(ours, 50)[0],
+             "ours_host_us": host_us(ours),
+             "ref_graph_us": graph_time_us(ref, 20), "ref_eager_us": event_time_us(ref, 50)[0],
+             "ref_host_us": host_us(ref)}
+        rows.append(r)
+        print(f"{k:6d} {n:6d} {'int%d g%s' % (bits, g or 'ch'):>9} {m:4d} | "
+              f"{r['ours_graph_us']:10.1f} {r['ours_eager_us']:7.1f} {r['ours_host_us']:7.1f} | "
+              f"{r['ref_graph_us']:10.1f} {r['ref_eager_us']:7.1f} {r['ref_host_us']:7.1f} | "
+              f"{r['ref_graph_us'] / r['ours_graph_us']:7.2f} {r['ref_eager_us'] / r['ours_eager_us']:7.2f}",
+              flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         for k, n, bits, g, m in [(4096, 4096, 4, 128, 64), (8192, 8192, 4, 128, 64),
