@@ -183,7 +183,7 @@ TILE_CASES = [
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, None)], ids=["int4-g128", "int8-chan"])
 @pytest.mark.parametrize("m,n,k,stream_k", TILE_CASES, ids=lambda v: str(v))
 def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k):
-    # Elsewhere the same cases check the other paths.
+    # Off sm_90 (or without the CUTLASS kernels) the same cases check the other paths.
     w = rand((n, k), torch.float32, "cuda")
     q, s = pg.quantize_weight(w, bits=bits, group_size=group)
     x = rand((m, k), torch.bfloat16, "cuda")

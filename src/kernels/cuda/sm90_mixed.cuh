@@ -147,7 +147,7 @@ struct MixedRun {
 // - up to 128 rows, 128 wide: the 64-wide tile converts each weight twice and lost there
 //   (1.13-1.70x), except at 4096^2;
 // - 129..256 rows, 256 wide where its N / 128 tiles give at least a quarter of the SMs one
-//   (N >= 8192 on the H200): 0.77-0.89x at N = 12288 and 28672 and at (28672, 8192),
+//   (N > 4096 on the H200): 0.77-0.89x at N = 12288 and 28672 and at (28672, 8192),
 //   0.97-1.03x at 8192^2 and N = 22016; with fewer tiles (N = 4096: 32 tiles split over 132
 //   SMs by stream-K) it lost (1.02-1.27x), so 128 wide there;
 // - above 256 rows, 256 wide (run 20).
@@ -167,20 +167,20 @@ inline MixedChoice kernel_choice(const Sm90MixedProblem& p) {
   return {tile, p.M <= 256 && 2 * tiles <= p.sm_count};
 }
 
-// Calls MixedRun<...>::CALL for kernel_choice(p); the six kernels of each (T, Q).
-#define PG_MIXED_SWITCH(CALL)                                               \
-  switch (kernel_choice(p).tile * 2 + (kernel_choice(p).stream_k ? 1 : 0)) { \
-    case 129: return MixedRun<T, TE, Q, 64, true>::CALL;                    \
-    case 128: return MixedRun<T, TE, Q, 64, false>::CALL;                   \
-    case 257: return MixedRun<T, TE, Q, 128, true>::CALL;                   \
-    case 256: return MixedRun<T, TE, Q, 128, false>::CALL;                  \
-    case 513: return MixedRun<T, TE, Q, 256, true>::CALL;                   \
-    default: return MixedRun<T, TE, Q, 256, false>::CALL;                   \
-  }
+// f(MixedRun<T, TE, Q, tile, stream_k>{}) for kernel_choice(p): the six kernels of a (T, Q).
+template <typename T, typename TE, typename Q, typename F>
+auto with_kernel(const Sm90MixedProblem& p, F&& f) {
+  const MixedChoice c = kernel_choice(p);
+  if (c.tile == 64)
+    return c.stream_k ? f(MixedRun<T, TE, Q, 64, true>{}) : f(MixedRun<T, TE, Q, 64, false>{});
+  if (c.tile == 128)
+    return c.stream_k ? f(MixedRun<T, TE, Q, 128, true>{}) : f(MixedRun<T, TE, Q, 128, false>{});
+  return c.stream_k ? f(MixedRun<T, TE, Q, 256, true>{}) : f(MixedRun<T, TE, Q, 256, false>{});
+}
 
 template <typename T, typename TE, typename Q>
 bool dispatch_tile(const Sm90MixedProblem& p, cudaStream_t stream, Status* status) {
-  PG_MIXED_SWITCH(run(p, stream, status))
+  return with_kernel<T, TE, Q>(p, [&](auto kernel) { return kernel.run(p, stream, status); });
 }
 
 template <typename T, typename TE>
@@ -192,7 +192,7 @@ bool dispatch_mixed(const Sm90MixedProblem& p, cudaStream_t stream, Status* stat
 // The CUTLASS workspace dispatch_mixed needs for p (the same choice of kernel).
 template <typename T, typename TE, typename Q>
 int64_t workspace_tile(const Sm90MixedProblem& p) {
-  PG_MIXED_SWITCH(workspace(p))
+  return with_kernel<T, TE, Q>(p, [&](auto kernel) { return kernel.workspace(p); });
 }
 
 template <typename T, typename TE>
