@@ -158,3 +158,17 @@ def test_gpu_target_row_follows_the_rounds(benches):
         assert f"{k}: {v:.3f}" in cells[1]
     if not met(cells):
         assert cells[3], "a missed goal states its bound"
+
+
+def test_readme_glance_table_is_computed_from_the_committed_results():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import glance
+    finally:
+        sys.path.remove(str(BENCH))
+    want = glance.committed_table()
+    readme = (BENCH.parent / "README.md").read_text()
+    assert want in readme, "README's at-a-glance table differs from `python bench/glance.py`"
+    rows = want.splitlines()[2:]
+    assert len(rows) == len(glance.BUCKETS)
+    assert all("×" in row.split("|")[3] for row in rows), rows  # every range of M has H200 figures

@@ -1,0 +1,77 @@
+"""The README's at-a-glance table of weight-only speed, computed from the committed results.
+
+Per range of M: the kernel that runs and the range over the issues' Llama shapes of
+- on the H200 (bench/results/gpu_bench_final.json): ours against bf16 F.linear in the same
+  process, CUDA-graph replay where the bench has it (M <= 256), eager above; int4 and int8,
+  each per channel and g128;
+- on the CPU (bench/results/cpu_bench_zen5.json): ours against torch's own weight-only
+  kernels and, where the bench has it (M >= 64), bf16 F.linear; int4 g128 and int8 per
+  channel.
+tests/test_bench_tables.py checks that the README holds exactly this table.
+
+    python bench/glance.py        # prints the table
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GPU_JSON, CPU_JSON = RESULTS / "gpu_bench_final.json", RESULTS / "cpu_bench_zen5.json"
+
+# (first M, last M, H200 kernel, CPU kernel on AVX512-BF16 without AMX)
+BUCKETS = [
+    (1, 8, "tensor-core GEMV, 1 x tile", "nibble block / tile path"),
+    (9, 16, "the same, 2 x tiles", "tile path"),
+    (17, 32, "the same, over slices of 16 rows", "tile path"),
+    (33, 64, "CUTLASS mixed-input, 64-wide tile", "GEMM (int4) / tile path (int8)"),
+    (65, 128, "the same, 128-wide", "vdpbf16ps GEMM"),
+    (129, 256, "the same, 128- or 256-wide", "vdpbf16ps GEMM"),
+    (1024, 1 << 30, "the same, 256-wide", "vdpbf16ps GEMM"),
+]
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}×" if values else ""
+
+
+def _pair(a: list[float], b: list[float]) -> str:
+    return f"{_span(a)} / {_span(b)}" if a and b else ""
+
+
+def _gpu_ratio(r: dict) -> float:
+    if r.get("ours_graph_us") and r.get("linear_bf16_graph_us"):
+        return r["linear_bf16_graph_us"] / r["ours_graph_us"]
+    return r["speedup_vs_bf16"]
+
+
+def table(gpu: dict, cpu: dict) -> str:
+    lines = ["| M | H200 kernel | int4 / int8 vs bf16 F.linear | CPU kernel | "
+             "int4 / int8 vs torch's kernel | vs bf16 F.linear |",
+             "|---|---|---|---|---|---|"]
+    for lo, hi, gk, ck in BUCKETS:
+        g = [r for r in gpu["weight_only"] if lo <= r["M"] <= hi]
+        c = [r for r in cpu["weight_only"] if lo <= r["M"] <= hi]
+        c4 = [r for r in c if (r["bits"], r["group"] or 0) == (4, 128)]
+        c8 = [r for r in c if (r["bits"], r["group"] or 0) == (8, 0)]
+
+        def cpu_ratios(rs, key):
+            return [r[key] for r in rs if r.get(key)]
+
+        m = f"{lo}–{hi}" if hi < 1 << 30 else f"≥ {lo}"
+        lines.append(
+            f"| {m} | {gk} | "
+            f"{_pair([_gpu_ratio(r) for r in g if r['bits'] == 4], [_gpu_ratio(r) for r in g if r['bits'] == 8])} | "
+            f"{ck} | "
+            f"{_pair(cpu_ratios(c4, 'ratio_vs_torch_weight_only'), cpu_ratios(c8, 'ratio_vs_torch_weight_only'))} | "
+            f"{_pair(cpu_ratios(c4, 'ratio_vs_linear_bf16'), cpu_ratios(c8, 'ratio_vs_linear_bf16'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def committed_table() -> str:
+    return table(json.loads(GPU_JSON.read_text()), json.loads(CPU_JSON.read_text()))
+
+
+if __name__ == "__main__":
+    print(committed_table(), end="")
