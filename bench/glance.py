@@ -46,26 +46,23 @@ def _gpu_ratio(r: dict) -> float:
     return r["speedup_vs_bf16"]
 
 
+def _cpu_ratios(rows: list[dict], bits: int, group: int, key: str) -> list[float]:
+    return [r[key] for r in rows if (r["bits"], r["group"] or 0) == (bits, group) and r.get(key)]
+
+
 def table(gpu: dict, cpu: dict) -> str:
     lines = ["| M | H200 kernel | int4 / int8 vs bf16 F.linear | CPU kernel | "
              "int4 / int8 vs torch's kernel | vs bf16 F.linear |",
              "|---|---|---|---|---|---|"]
-    for lo, hi, gk, ck in BUCKETS:
+    for lo, hi, gpu_kernel, cpu_kernel in BUCKETS:
         g = [r for r in gpu["weight_only"] if lo <= r["M"] <= hi]
         c = [r for r in cpu["weight_only"] if lo <= r["M"] <= hi]
-        c4 = [r for r in c if (r["bits"], r["group"] or 0) == (4, 128)]
-        c8 = [r for r in c if (r["bits"], r["group"] or 0) == (8, 0)]
-
-        def cpu_ratios(rs, key):
-            return [r[key] for r in rs if r.get(key)]
-
+        gpu_cell = _pair([_gpu_ratio(r) for r in g if r["bits"] == 4], [_gpu_ratio(r) for r in g if r["bits"] == 8])
+        torch_cell, linear_cell = (
+            _pair(_cpu_ratios(c, 4, 128, key), _cpu_ratios(c, 8, 0, key))
+            for key in ("ratio_vs_torch_weight_only", "ratio_vs_linear_bf16"))
         m = f"{lo}–{hi}" if hi < 1 << 30 else f"≥ {lo}"
-        lines.append(
-            f"| {m} | {gk} | "
-            f"{_pair([_gpu_ratio(r) for r in g if r['bits'] == 4], [_gpu_ratio(r) for r in g if r['bits'] == 8])} | "
-            f"{ck} | "
-            f"{_pair(cpu_ratios(c4, 'ratio_vs_torch_weight_only'), cpu_ratios(c8, 'ratio_vs_torch_weight_only'))} | "
-            f"{_pair(cpu_ratios(c4, 'ratio_vs_linear_bf16'), cpu_ratios(c8, 'ratio_vs_linear_bf16'))} |")
+        lines.append(f"| {m} | {gpu_kernel} | {gpu_cell} | {cpu_kernel} | {torch_cell} | {linear_cell} |")
     return "\n".join(lines) + "\n"
 
 
