@@ -200,6 +200,39 @@ def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k):
         assert cutlass and all(("StreamK" in name) == stream_k for name in cutlass), names
 
 
+# Per-channel scales: on sm_90 the mixed-input kernel reads them as stored when they are in
+# x's dtype, contiguous and 16-byte aligned ([N] is then already the [1, N] it wants), and
+# transposes them into its workspace otherwise. Both with the stream-K scheduler (M = 64,
+# N = 264: a workspace for the partial sums only) and without it (N = 8704: no workspace).
+SCALE_FORMS = ["as stored", "f16 scales", "strided", "misaligned"]
+
+
+@pytest.mark.parametrize("form", SCALE_FORMS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k", [(64, 264, 4096), (64, 8704, 256)], ids=["stream-K", "persistent"])
+def test_mixed_linear_per_channel_scales_forms(form, bits, m, n, k):
+    w = rand((n, k), torch.bfloat16, "cuda")
+    q, s = pg.quantize_weight(w, bits=bits)  # bf16 scales [N], contiguous
+    if form == "f16 scales":
+        s = s.to(torch.float16)
+    elif form == "strided":
+        buf = torch.full((n, 2), float("nan"), dtype=s.dtype, device="cuda")
+        buf[:, 0] = s
+        s = buf[:, 0]
+    elif form == "misaligned":
+        buf = torch.full((n + 1,), float("nan"), dtype=s.dtype, device="cuda")
+        buf[1:] = s
+        s = buf[1:]
+    x = rand((m, k), torch.bfloat16, "cuda")
+    out = pg.mixed_linear(x, q, s, bits=bits)
+    assert_close(out, x.double() @ dequant_ref(q, s, bits, None).T, torch.bfloat16, label=form)
+    if _is_sm90() and _sm90_gemm_built():
+        names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=bits))
+        assert any("cutlass" in name for name in names), names
+        transposed = any("transpose_scales" in name for name in names)
+        assert transposed == (form != "as stored"), names
+
+
 @pytest.mark.skipif(not _is_sm90(), reason="the CUTLASS path runs on sm_90 (Hopper) only")
 def test_sm90_mixed_path_is_taken_when_eligible():
     assert _sm90_gemm_built(), "wheel built without the sm_90 CUTLASS kernels (no CUTLASS headers at build time)"

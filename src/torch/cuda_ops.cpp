@@ -51,8 +51,12 @@ struct CudaBackend {
     // needs a small workspace (the scales transposed, the stream-K partial sums). It beat
     // dequantise + GEMM at every M measured (bench/GPU_NOTES.md, run 20).
     const int64_t ws = cuda::mixed_linear_sm90_workspace(a);
-    if (ws >= 0) {
-      Tensor scratch = compat::new_output(x, {ws / 2 > 0 ? ws / 2 : 1}, x.scalar_type());
+    if (ws == 0) {  // per-channel scales read as stored, no stream-K: no workspace
+      PG_CUDA_CHECK(cuda::mixed_linear_sm90(a, nullptr, stream).code);
+      return;
+    }
+    if (ws > 0) {
+      Tensor scratch = compat::new_output(x, {ws / 2}, x.scalar_type());
       PG_CUDA_CHECK(cuda::mixed_linear_sm90(a, compat::mutable_data(scratch), stream).code);
       return;
     }

@@ -106,7 +106,12 @@ namespace {
 // a 256-byte boundary. Returns its size, or -1 when the kernel does not apply.
 int64_t mixed_layout(const MixedLinearArgs& args, Sm90MixedProblem* p, int64_t* scales_bytes) {
   if (!mixed_problem(args, p)) return -1;
-  *scales_bytes = ceil_div((p->K / p->group_size) * p->N * 2, 256) * 256;
+  // Per-channel scales in x's dtype, contiguous and aligned for TMA, are read as stored: no
+  // transpose launch and no workspace for them (bench/GPU_NOTES.md, run 49).
+  p->scales_as_stored = p->group_size == p->K && p->scales_dtype == p->dtype &&
+                        (p->scales_row_stride == 1 || p->N == 1) && aligned_to(p->scales, 16);
+  if (p->scales_as_stored) p->scales_t = const_cast<void*>(p->scales);
+  *scales_bytes = p->scales_as_stored ? 0 : ceil_div((p->K / p->group_size) * p->N * 2, 256) * 256;
   const int64_t cutlass_bytes =
       p->dtype == DType::f16 ? sm90_mixed_f16_workspace(*p) : sm90_mixed_bf16_workspace(*p);
   if (cutlass_bytes < 0) return -1;
@@ -132,12 +137,14 @@ Status mixed_linear_sm90(const MixedLinearArgs& args, void* workspace, void* str
 #if defined(PG_WITH_SM90_GEMM)
   detail::Sm90MixedProblem p;
   int64_t scales_bytes = 0;
-  if (detail::mixed_layout(args, &p, &scales_bytes) < 0 || !detail::aligned_to(workspace, 256))
+  const int64_t need = detail::mixed_layout(args, &p, &scales_bytes);
+  if (need < 0 || !detail::aligned_to(workspace, 256) || (need > 0 && workspace == nullptr))
     return Status{static_cast<int32_t>(cudaErrorInvalidValue),
                   "portable_gemm.cuda.mixed_linear_sm90: arguments not supported (check "
-                  "mixed_linear_sm90_workspace first; the workspace must be 256-byte aligned)"};
-  p.scales_t = workspace;
-  p.workspace = static_cast<char*>(workspace) + scales_bytes;
+                  "mixed_linear_sm90_workspace first; the workspace must be 256-byte aligned, and "
+                  "non-null when that size is not 0)"};
+  if (!p.scales_as_stored) p.scales_t = workspace;
+  p.workspace = p.workspace_bytes > 0 ? static_cast<char*>(workspace) + scales_bytes : nullptr;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   Status s;
   const bool ran = p.dtype == DType::f16 ? detail::sm90_mixed_f16(p, stream, &s)

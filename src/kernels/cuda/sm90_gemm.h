@@ -35,8 +35,10 @@ struct Sm90Problem {
 // y[M, N] = x[M, K] @ (q * scale)[N, K]^T for the mixed-input kernel (sm90_mixed.cuh): x and
 // y row-major (unit column stride), w [N, K] int8 or packed int4 with its row stride in
 // elements (nibbles for int4), scales [N, groups] of any float dtype; scales_t is a
-// workspace of groups * N elements of x's dtype that receives them transposed; workspace
-// (workspace_bytes) is CUTLASS's own, for the stream-K reduction (sm90_mixed_*_workspace).
+// workspace of groups * N elements of x's dtype that receives them transposed, or, with
+// scales_as_stored, the scales themselves (one group, x's dtype, contiguous: already
+// [1, N]); workspace (workspace_bytes) is CUTLASS's own, for the stream-K reduction
+// (sm90_mixed_*_workspace).
 struct Sm90MixedProblem {
   DType dtype = DType::bf16;
   const void* x = nullptr;
@@ -49,6 +51,7 @@ struct Sm90MixedProblem {
   int64_t scales_row_stride = 0;
   DType scales_dtype = DType::f32;
   void* scales_t = nullptr;
+  bool scales_as_stored = false;
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
   void* y = nullptr;

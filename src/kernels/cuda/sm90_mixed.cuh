@@ -5,7 +5,8 @@
 // The problem is run transposed, y^T [N, M] = W [N, K] . x^T: CUTLASS converts only its A
 // operand, and W as A is K-major exactly as stored; x^T is K-major B; y^T is column-major
 // D, i.e. y row-major. Scales must be "MN-major" ([groups, N], N contiguous) in the MMA
-// type: the caller transposes them into a workspace first (transpose_scales below).
+// type: the caller transposes them into a workspace first (transpose_scales below), except
+// per-channel scales in x's dtype, contiguous: [N] is already [1, N] (scales_as_stored).
 #pragma once
 
 #include "cuda/sm90_gemm.cuh"  // the CUTLASS headers and launch()
@@ -126,12 +127,14 @@ struct MixedRun {
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return false;
     const auto need = static_cast<int64_t>(Gemm::get_workspace_size(args));
     if (need > p.workspace_bytes || (need > 0 && p.workspace == nullptr)) return false;
-    const int64_t groups = p.K / p.group_size;
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.N, kTransposeTile)),
-                    static_cast<unsigned>(std::min<int64_t>(ceil_div(groups, kTransposeTile), 65535)));
-    transpose_scales_kernel<T><<<grid, dim3(kTransposeTile, kTransposeRows), 0, stream>>>(
-        p.scales, static_cast<int>(p.scales_dtype), p.scales_row_stride, p.N, groups,
-        static_cast<T*>(p.scales_t));
+    if (!p.scales_as_stored) {
+      const int64_t groups = p.K / p.group_size;
+      const dim3 grid(static_cast<unsigned>(ceil_div(p.N, kTransposeTile)),
+                      static_cast<unsigned>(std::min<int64_t>(ceil_div(groups, kTransposeTile), 65535)));
+      transpose_scales_kernel<T><<<grid, dim3(kTransposeTile, kTransposeRows), 0, stream>>>(
+          p.scales, static_cast<int>(p.scales_dtype), p.scales_row_stride, p.N, groups,
+          static_cast<T*>(p.scales_t));
+    }
     launch<Gemm>(args, stream, status,
                  "portable_gemm.cuda.mixed_linear: the sm_90 CUTLASS kernel failed to launch",
                  need > 0 ? p.workspace : nullptr);
