@@ -52,8 +52,8 @@ inline bool fits_int(int64_t v) { return v >= 0 && v <= 0x7fffffff; }
 
 // GemmUniversalAdapter::initialize sets the kernel's dynamic shared memory limit on every
 // call; here it is set once per device (bit d of the kernel's mask: device d has it; devices
-// past 63 set it every call). Host time per call 2.5-17 us lower on 7 of 8 cases measured
-// (bench/GPU_NOTES.md, run 49b).
+// past 63 set it every call). It lowered the host's time per call on 7 of 8 cases, median
+// 3.6 us, near the probe's noise per case (bench/GPU_NOTES.md, runs 49b and 49c).
 template <typename Kernel>
 bool dynamic_smem_set(int device) {
   static std::atomic<uint64_t> done{0};
