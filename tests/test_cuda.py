@@ -203,18 +203,20 @@ def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k):
 # Per-channel scales: on sm_90 the mixed-input kernel reads them as stored when they are in
 # x's dtype, contiguous and 16-byte aligned ([N] is then already the [1, N] it wants), and
 # transposes them into its workspace otherwise. Both with the stream-K scheduler (M = 64,
-# N = 264: a workspace for the partial sums only) and without it (N = 8704: no workspace).
-SCALE_FORMS = ["as stored", "f16 scales", "strided", "misaligned"]
+# N = 264: a workspace for the partial sums) and without it (N = 8704: as stored, no
+# workspace at all, so the call allocates its output and nothing else).
+SCALE_FORMS = ["as stored", "other dtype", "strided", "misaligned"]
 
 
 @pytest.mark.parametrize("form", SCALE_FORMS)
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m,n,k", [(64, 264, 4096), (64, 8704, 256)], ids=["stream-K", "persistent"])
-def test_mixed_linear_per_channel_scales_forms(form, bits, m, n, k):
-    w = rand((n, k), torch.bfloat16, "cuda")
-    q, s = pg.quantize_weight(w, bits=bits)  # bf16 scales [N], contiguous
-    if form == "f16 scales":
-        s = s.to(torch.float16)
+def test_mixed_linear_per_channel_scales_forms(form, bits, dtype, m, n, k):
+    w = rand((n, k), dtype, "cuda")
+    q, s = pg.quantize_weight(w, bits=bits)  # scales [N] in w's dtype, contiguous
+    if form == "other dtype":
+        s = s.to(torch.bfloat16 if dtype == torch.float16 else torch.float16)
     elif form == "strided":
         buf = torch.full((n, 2), float("nan"), dtype=s.dtype, device="cuda")
         buf[:, 0] = s
@@ -223,14 +225,37 @@ def test_mixed_linear_per_channel_scales_forms(form, bits, m, n, k):
         buf = torch.full((n + 1,), float("nan"), dtype=s.dtype, device="cuda")
         buf[1:] = s
         s = buf[1:]
-    x = rand((m, k), torch.bfloat16, "cuda")
+    x = rand((m, k), dtype, "cuda")
     out = pg.mixed_linear(x, q, s, bits=bits)
-    assert_close(out, x.double() @ dequant_ref(q, s, bits, None).T, torch.bfloat16, label=form)
+    assert_close(out, x.double() @ dequant_ref(q, s, bits, None).T, dtype, label=form)
     if _is_sm90() and _sm90_gemm_built():
         names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=bits))
-        assert any("cutlass" in name for name in names), names
+        cutlass = [name for name in names if "cutlass" in name]
+        assert cutlass and all(("StreamK" in name) == (n == 264) for name in cutlass), names
         transposed = any("transpose_scales" in name for name in names)
         assert transposed == (form != "as stored"), names
+        # allocation requests of one call: the output, plus a workspace unless none is needed
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        pg.mixed_linear(x, q, s, bits=bits)
+        torch.cuda.synchronize()
+        allocs = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+        assert allocs == (1 if form == "as stored" and n != 264 else 2), allocs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not _is_sm90(), reason="needs two sm_90 GPUs")
+def test_sm90_kernels_on_two_devices():
+    # The CUTLASS kernels' shared-memory attribute is set once per device: calls on cuda:0
+    # must not leave cuda:1 without it, nor the way back.
+    for dev in ["cuda:0", "cuda:1", "cuda:0"]:
+        a = rand((256, 512), torch.bfloat16, dev)
+        b = rand((512, 256), torch.bfloat16, dev)
+        assert_close(pg.gemm(a, b), gemm_ref(a, b), torch.bfloat16, label=dev)
+        q, s = pg.quantize_weight(rand((256, 512), torch.bfloat16, dev), bits=4, group_size=128)
+        x = rand((64, 512), torch.bfloat16, dev)
+        out = pg.mixed_linear(x, q, s, bits=4, group_size=128)
+        assert out.device == torch.device(dev)
+        assert_close(out, x.double() @ dequant_ref(q, s, 4, 128).T, torch.bfloat16, label=dev)
 
 
 @pytest.mark.skipif(not _is_sm90(), reason="the CUTLASS path runs on sm_90 (Hopper) only")

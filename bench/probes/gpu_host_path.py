@@ -1,34 +1,26 @@
-"""The host's time per call on the sm_90 CUTLASS paths, and what each part of it costs (run 49).
+"""The host's time per call on the sm_90 CUTLASS paths, against F.linear's (runs 49b and 49c).
 
 Eager calls of the CUTLASS kernels (mixed-input at M > 32, dense bf16 `gemm`) spent 27–43 µs
 of host time per call in run 27, against 14–20 µs for the small-M kernel and 16–17 µs for
-bf16 F.linear. This probe times, in one process and in alternating rounds, each case under
-the library's temporary A/B switches of run 49 (read per call), so each setting is compared
-on the same inputs and the same host state:
-- `old`: CUTLASS's per-call driver lookup of cuTensorMapEncodeTiled (PGX_TMAP_LOOKUP=each),
-  the shared-memory attribute set on every call (PGX_SMEM_ATTR=each), and per-channel scales
-  transposed into the workspace (PGX_SCALES_COPY=1): the shipped behaviour before run 49;
-- `tmap`: only the driver lookup cached;
-- `smem`: the lookup cached and the attribute set once;
-- `new`: all three (per-channel scales read as stored).
+bf16 F.linear. Per case, best of the rounds: host µs per call (400 calls enqueued without a
+sync), eager µs per call (CUDA events over 50 back-to-back calls) and graph-replay µs (the
+kernels alone), and the same three for bf16 F.linear on the same shapes. An eager time near
+the host time and above the graph time is host-bound.
 
-Per case and setting: host µs per call (400 calls enqueued without a sync, best of the
-rounds), eager µs per call (CUDA events over 50 back-to-back calls, best of the rounds) and
-graph-replay µs (the kernels alone). The outputs of every setting are compared with `new`'s.
+Run 49b used this probe for an A/B in one process: the wheel then read three temporary
+switches per call (PGX_TMAP_LOOKUP=each: CUTLASS's driver lookup of cuTensorMapEncodeTiled
+per descriptor; PGX_SMEM_ATTR=each: the shared-memory attribute set on every call;
+PGX_SCALES_COPY=1: per-channel scales transposed), and the probe set them in alternating
+rounds. The switches left with that wheel; its table is in bench/GPU_NOTES.md and
+bench/results/gpu_host_path_run49b.log.
 
     python bench/probes/gpu_host_path.py [--rounds 3] [--json FILE]
-
-The switches existed only in the wheel of run 49b (bench/GPU_NOTES.md has their form; the
-tensor-map part was not kept). On a wheel without them every setting runs the shipped code,
-so the columns differ only by noise, and the probe still gives the host / eager / graph time
-of each case against F.linear's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -39,16 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import copies_for, event_time_us, graph_time_us  # noqa: E402
 from gpu_mid_m import host_us  # noqa: E402
 
-SETTINGS = {
-    "old": {"PGX_TMAP_LOOKUP": "each", "PGX_SMEM_ATTR": "each", "PGX_SCALES_COPY": "1"},
-    "tmap": {"PGX_SMEM_ATTR": "each", "PGX_SCALES_COPY": "1"},
-    "smem": {"PGX_SCALES_COPY": "1"},
-    "new": {},
-}
-SWITCHES = ("PGX_TMAP_LOOKUP", "PGX_SMEM_ATTR", "PGX_SCALES_COPY")
-
-# (label, K, N, M, kind): kind "int4 g128" / "int8 ch" (mixed_linear), "gemm" (dense bf16
-# pg.gemm of x [M, K] by the weight's transpose [K, N]), "small" (M <= 16: no CUTLASS, control).
+# (label, K, N, M, kind): kind "int4 g128" / "int8 ch" (mixed_linear) or "gemm" (dense bf16
+# pg.gemm of x [M, K] by the weight's transpose [K, N]). The M = 1 case runs the small-M
+# kernel, no CUTLASS: the control.
 CASES = [
     ("4096^2 int4 g128 M=64 (stream-K)", 4096, 4096, 64, "int4 g128"),
     ("4096^2 int8 ch M=64 (stream-K)", 4096, 4096, 64, "int8 ch"),
@@ -60,12 +45,6 @@ CASES = [
     ("gemm bf16 M=256 4096^2", 4096, 4096, 256, "gemm"),
     ("4096^2 int4 g128 M=1 (small-M, control)", 4096, 4096, 1, "int4 g128"),
 ]
-
-
-def apply(setting: str) -> None:
-    for k in SWITCHES:
-        os.environ.pop(k, None)
-    os.environ.update(SETTINGS[setting])
 
 
 def build(k: int, n: int, m: int, kind: str):
@@ -111,41 +90,24 @@ def main() -> int:
     import portable_gemm as pg
 
     print(f"portable_gemm {pg.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print(f"best of {args.rounds} alternating rounds; host = CPU time per call without a sync, "
-          "eager = events over back-to-back calls, graph = replay (kernels alone); µs")
-    names = list(SETTINGS)
-    head = " | ".join(f"{'host ' + s:>10}" for s in names)
-    print(f"{'case':<42} | {head} | {'eager old':>9} {'eager new':>9} | {'graph old':>9} {'graph new':>9} "
-          f"| {'F.linear host/eager/graph':>25} | max diff")
+    print(f"best of {args.rounds} rounds; host = CPU time per call without a sync, eager = events over "
+          "back-to-back calls, graph = replay (kernels alone); µs")
+    print(f"{'case':<42} | {'host':>7} {'eager':>7} {'graph':>7} | {'F.linear host':>13} {'eager':>7} {'graph':>7}")
     rows = []
     for label, k, n, m, kind in CASES:
         ours, ref = build(k, n, m, kind)
-        host = {s: float("inf") for s in names}
-        eager = {s: float("inf") for s in names}
-        graph = {s: float("inf") for s in names}
-        outs = {}
+        best = {}
         for _ in range(args.rounds):
-            for s in names:
-                apply(s)
-                host[s] = min(host[s], host_us(ours))
-                eager[s] = min(eager[s], event_time_us(ours, 50, reps=3)[0])
-                if s in ("old", "new"):
-                    graph[s] = min(graph[s], graph_time_us(ours, 20, reps=3))
-                outs[s] = ours().float()
-        apply("new")
-        r = (host_us(ref), event_time_us(ref, 50, reps=3)[0], graph_time_us(ref, 20, reps=3))
-        scale = outs["new"].abs().max().item() or 1.0
-        diff = max((outs[s] - outs["new"]).abs().max().item() for s in names) / scale
-        print(f"{label:<42} | " + " | ".join(f"{host[s]:10.1f}" for s in names) +
-              f" | {eager['old']:9.1f} {eager['new']:9.1f} | {graph['old']:9.1f} {graph['new']:9.1f} "
-              f"| {r[0]:7.1f} {r[1]:8.1f} {r[2]:8.1f} | {diff:.1e}", flush=True)
-        rows.append({"case": label, "K": k, "N": n, "M": m, "kind": kind, "host_us": host,
-                     "eager_us": eager, "graph_us": {s: graph[s] for s in ("old", "new")},
-                     "flinear_us": {"host": r[0], "eager": r[1], "graph": r[2]}, "max_rel_diff": diff})
+            for name, fn in (("ours", ours), ("ref", ref)):
+                t = (host_us(fn), event_time_us(fn, 50, reps=3)[0], graph_time_us(fn, 20, reps=3))
+                best[name] = tuple(min(a, b) for a, b in zip(best.get(name, t), t))
+        (h, e, g), (rh, re_, rg) = best["ours"], best["ref"]
+        print(f"{label:<42} | {h:7.1f} {e:7.1f} {g:7.1f} | {rh:13.1f} {re_:7.1f} {rg:7.1f}", flush=True)
+        rows.append({"case": label, "K": k, "N": n, "M": m, "kind": kind,
+                     "host_us": h, "eager_us": e, "graph_us": g,
+                     "flinear_us": {"host": rh, "eager": re_, "graph": rg}})
         del ours, ref
         torch.cuda.empty_cache()
-    for k in SWITCHES:
-        os.environ.pop(k, None)
     if args.json:
         args.json.write_text(json.dumps({"rounds": args.rounds, "rows": rows}, indent=1))
     return 0

@@ -176,10 +176,12 @@ PG_API Status bias_act_store(ConstMatrix src, int64_t n0, const void* bias, int6
 // loads the int8 / int4 weight as stored and converts + scales it in registers on the way
 // to wgmma (no 16-bit copy of the weight). The workspace size in bytes it needs for these
 // arguments on the current device (the scales, transposed into x's dtype, unless they are
-// per-channel in x's dtype and contiguous, and the stream-K partial sums; a multiple of 256,
-// possibly 0), or -1 when it does not apply (not sm_90, built without CUTLASS, f32 x,
-// groups not a multiple of 64, N not a multiple of 8, unaligned operands): callers then
-// take another path. The workspace passed must be 256-byte aligned (null when the size is 0).
+// per-channel in x's dtype, contiguous and 16-byte aligned, and the stream-K partial sums; a
+// multiple of 256, possibly 0), or -1 when it does not apply (not sm_90, built without
+// CUTLASS, f32 x, groups not a multiple of 64, N not a multiple of 8, unaligned operands):
+// callers then take another path. The size depends on the scales' address, stride and
+// dtype as well as the shapes: query it with the same arguments as the call, not once per
+// shape. The workspace passed must be 256-byte aligned (null when the size is 0).
 PG_API int64_t mixed_linear_sm90_workspace(const MixedLinearArgs& args);
 PG_API Status mixed_linear_sm90(const MixedLinearArgs& args, void* workspace, void* stream);
 // cudaGetErrorString of the library's own runtime (static cudart).

@@ -47,9 +47,10 @@ struct CudaBackend {
     const int32_t device = x.get_device_index();
     torch::stable::accelerator::DeviceGuard guard(device);
     void* stream = compat::current_cuda_stream(device);
-    // sm_90: the fused mixed-input kernel reads the quantised weight as stored; it only
-    // needs a small workspace (the scales transposed, the stream-K partial sums). It beat
-    // dequantise + GEMM at every M measured (bench/GPU_NOTES.md, run 20).
+    // sm_90: the fused mixed-input kernel reads the quantised weight as stored; it needs at
+    // most a small workspace (the scales transposed unless they are read as stored, the
+    // stream-K partial sums). It beat dequantise + GEMM at every M measured
+    // (bench/GPU_NOTES.md, run 20).
     const int64_t ws = cuda::mixed_linear_sm90_workspace(a);
     if (ws == 0) {  // per-channel scales read as stored, no stream-K: no workspace
       PG_CUDA_CHECK(cuda::mixed_linear_sm90(a, nullptr, stream).code);

@@ -102,14 +102,17 @@ bool mixed_problem(const MixedLinearArgs& a, Sm90MixedProblem* p) {
 #if defined(PG_WITH_SM90_GEMM)
 namespace detail {
 namespace {
-// The workspace: the transposed scales ([groups, N] in x's dtype), then CUTLASS's own from
-// a 256-byte boundary. Returns its size, or -1 when the kernel does not apply.
+// The workspace: the transposed scales ([groups, N] in x's dtype; none when they are read
+// as stored), then CUTLASS's own from a 256-byte boundary (none without stream-K). Returns
+// its size, possibly 0, or -1 when the kernel does not apply.
 int64_t mixed_layout(const MixedLinearArgs& args, Sm90MixedProblem* p, int64_t* scales_bytes) {
   if (!mixed_problem(args, p)) return -1;
-  // Per-channel scales in x's dtype, contiguous and aligned for TMA, are read as stored: no
-  // transpose launch and no workspace for them (bench/GPU_NOTES.md, run 49).
+  // Per-channel scales in x's dtype, contiguous and 16-byte aligned, are read as stored: no
+  // transpose launch and no workspace for them (bench/GPU_NOTES.md, run 49). The alignment
+  // is TMA's for a global address, and CUTLASS's can_implement does not check it; the
+  // second stride (N elements) is a multiple of 16 bytes since N % 8 == 0.
   p->scales_as_stored = p->group_size == p->K && p->scales_dtype == p->dtype &&
-                        (p->scales_row_stride == 1 || p->N == 1) && aligned_to(p->scales, 16);
+                        p->scales_row_stride == 1 && aligned_to(p->scales, 16);
   if (p->scales_as_stored) p->scales_t = const_cast<void*>(p->scales);
   *scales_bytes = p->scales_as_stored ? 0 : ceil_div((p->K / p->group_size) * p->N * 2, 256) * 256;
   const int64_t cutlass_bytes =

@@ -55,16 +55,23 @@ inline bool fits_int(int64_t v) { return v >= 0 && v <= 0x7fffffff; }
 // past 63 set it every call). It lowered the host's time per call on 7 of 8 cases, median
 // 3.6 us, near the probe's noise per case (bench/GPU_NOTES.md, runs 49b and 49c).
 template <typename Kernel>
+std::atomic<uint64_t>& smem_set_on_devices() {
+  static std::atomic<uint64_t> devices{0};
+  return devices;
+}
+
+inline uint64_t device_bit(int device) { return device >= 0 && device < 64 ? uint64_t(1) << device : 0; }
+
+template <typename Kernel>
 bool dynamic_smem_set(int device) {
-  static std::atomic<uint64_t> done{0};
   constexpr int kSmem = Kernel::SharedStorageSize;
   if (kSmem < (48 << 10)) return true;
-  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
-  if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return true;
+  const uint64_t bit = device_bit(device);
+  if (bit != 0 && (smem_set_on_devices<Kernel>().load(std::memory_order_acquire) & bit)) return true;
   if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            kSmem) != cudaSuccess)
     return false;  // the error stays for launch_status()
-  done.fetch_or(bit, std::memory_order_acq_rel);
+  smem_set_on_devices<Kernel>().fetch_or(bit, std::memory_order_acq_rel);
   return true;
 }
 
@@ -72,7 +79,10 @@ bool dynamic_smem_set(int device) {
 // error of this library's runtime, or `failure` when CUTLASS refused without one (it reports
 // failures as its own enum). `workspace`: get_workspace_size(args) bytes of device memory
 // (CUTLASS clears what it needs of it on `stream`), or null when that size is 0.
-// GemmUniversalAdapter::initialize + run, but with the attribute set once.
+// GemmUniversalAdapter::initialize + run, with the shared-memory attribute set once (the
+// dense kernel's cluster launch still sets its cluster attribute on every call). A failed
+// launch forgets the device's bit, so a context reset (which drops the attribute) is met by
+// setting it again on the next call.
 template <typename Gemm>
 void launch(const typename Gemm::Arguments& args, cudaStream_t stream, Status* status,
             const char* failure, void* workspace = nullptr) {
@@ -84,6 +94,8 @@ void launch(const typename Gemm::Arguments& args, cudaStream_t stream, Status* s
                                                          : cutlass::Status::kErrorInternal;
   }
   *status = launch_status();
+  if (s != cutlass::Status::kSuccess || !status->ok())
+    smem_set_on_devices<Kernel>().fetch_and(~device_bit(args.hw_info.device_id), std::memory_order_acq_rel);
   if (s != cutlass::Status::kSuccess && status->ok())
     *status = Status{static_cast<int32_t>(cudaErrorLaunchFailure), failure};
 }

@@ -113,8 +113,9 @@ struct MixedRun {
   }
 
   static int64_t workspace(const Sm90MixedProblem& p) {
-    // The scales' place in the workspace is not known yet; can_implement only checks that
-    // the pointer is set (scale mode) and aligned, which the weight's pointer is as well.
+    // The transposed scales' place in the workspace is not known yet (scales read as stored
+    // are already set); can_implement only checks that the pointer is set (scale mode), so
+    // the weight's pointer stands in.
     Sm90MixedProblem q = p;
     if (q.scales_t == nullptr) q.scales_t = const_cast<void*>(q.w);
     const auto args = arguments(q);
