@@ -2,7 +2,7 @@
 
 Per range of M: the kernel that runs and the range over the issues' Llama shapes of
 - on the H200 (bench/results/gpu_bench_final.json): ours against bf16 F.linear in the same
-  process, CUDA-graph replay where the bench has it (M <= 256), eager above; int4 and int8,
+  process, CUDA-graph replay where the bench has it (M <= 1024), eager above; int4 and int8,
   each per channel and g128;
 - on the CPU (bench/results/cpu_bench_zen5.json): ours against torch's own weight-only
   kernels and, where the bench has it (M >= 64), bf16 F.linear; int4 g128 and int8 per

@@ -56,7 +56,7 @@ if want sanitize; then
 fi
 
 if want bench; then
-  (timeout 500 $PY bench/gpu_bench.py ${PG_BENCH_ARGS:-} --out "$OUT" > "$OUT/bench.log" 2>&1)
+  (timeout 560 $PY bench/gpu_bench.py ${PG_BENCH_ARGS:-} --out "$OUT" > "$OUT/bench.log" 2>&1)
   note "gpu bench: exit $?; table in bench.log"
   tail -60 "$OUT/bench.log"
 fi
