@@ -15,10 +15,13 @@ def alternate(probe: str, argv: list[str], other: str, rounds: int) -> dict:
     """Runs `python -c probe *argv` under the default target and under `other`, alternating
     for `rounds` rounds. The probe prints one line `PROBE{json}`: case -> time (a number, one unit),
     plus text fields such as the target it loaded. The ratio per case is the median over
-    rounds of other / default (a noisy neighbour then hits both sides of a round alike)."""
+    rounds of other / default (a noisy neighbour then hits both sides of a round alike). The
+    side that runs first swaps every round, so that a state the first process leaves behind
+    (a warmer GPU, a page cache) does not always favour or burden the same side."""
     raw: dict[str, list] = {"default": [], "other": []}
+    sides = (("default", None), ("other", other))
     for r in range(rounds):
-        for label, env_target in (("default", None), ("other", other)):
+        for label, env_target in (sides if r % 2 == 0 else sides[::-1]):
             env = dict(os.environ)
             env.pop("PORTABLE_GEMM_TARGET", None)
             if env_target:

@@ -142,6 +142,26 @@ def test_target_rounds_alternate_sets_the_target_per_side():
         target_rounds.alternate("raise SystemExit(3)", [], "2.9", rounds=1)
 
 
+PROBE_LOGS_ORDER = r"""
+import json, os, sys
+t = os.environ.get("PORTABLE_GEMM_TARGET", "2.11")
+with open(sys.argv[1], "a") as f:
+    f.write(t + "\n")
+print("PROBE" + json.dumps({"target": t, "case": 1.0}))
+"""
+
+
+def test_target_rounds_alternate_swaps_the_first_side_every_round(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import target_rounds
+    finally:
+        sys.path.remove(str(BENCH))
+    log = tmp_path / "order.txt"
+    target_rounds.alternate(PROBE_LOGS_ORDER, [str(log)], "2.9", rounds=3)
+    assert log.read_text().split() == ["2.11", "2.9", "2.9", "2.11", "2.11", "2.9"]
+
+
 def test_gpu_target_row_follows_the_rounds(benches):
     """The targets row's verdict is the median of the per-round ratios within the tolerance,
     recomputed here from the raw per-process times."""
