@@ -96,3 +96,41 @@ def test_nan_inf_propagate(device):
     assert torch.isnan(out[1]).all()
     assert not torch.isfinite(out[2]).any()
     assert torch.isfinite(out[[0, 3]]).all()
+
+
+def _bf16_view(rows: int, cols: int, row_stride: int, offset: int) -> torch.Tensor:
+    """A [rows, cols] bf16 view with the given row stride (elements) starting `offset` elements
+    into a NaN-filled buffer: offset 1 puts its rows 2 bytes off any 64-byte line."""
+    buf = torch.full((offset + rows * row_stride,), float("nan"), dtype=torch.bfloat16)
+    view = buf[offset:].as_strided((rows, cols), (row_stride, 1))
+    view.copy_(rand((rows, cols), torch.bfloat16, "cpu"))
+    return view
+
+
+# bf16 A on CPUs with AVX512-BF16: the pair kernels read A's rows in place where the rows of a
+# 12-row sliver take no more lines of an L1 set than the packed sliver (one more allowed), and
+# pack A otherwise (gemm.cpp, a_in_place). (M, K, N, A's row stride, offset in elements):
+A_IN_PLACE_CASES = [
+    (100, 1024, 70, 1024, 0),  # pieces 2 KB apart: read in place, one kc block
+    (100, 1024, 70, 1024, 1),  # the same 2 bytes off: every piece straddles a line
+    (100, 1024, 70, 1040, 0),  # padded rows (not whole lines apart): each piece a line longer
+    (100, 1600, 70, 1600, 0),  # two kc blocks of 800: partial sums between them
+    (100, 2048, 70, 2048, 0),  # pieces 4 KB apart pile into the same sets: packed
+    (100, 1024, 70, 2048, 0),  # K = 1024 in rows 4 KB apart: packed
+    (100, 1023, 70, 1024, 0),  # odd K: packed (the last pair has one element)
+]
+
+
+@pytest.mark.parametrize("case", A_IN_PLACE_CASES, ids=str)
+def test_bf16_a_in_place_or_packed(case):
+    m, k, n, row_stride, offset = case
+    a = _bf16_view(m, k, row_stride, offset)
+    b = rand((k, n), torch.bfloat16, "cpu")
+    bias = rand((n,), torch.bfloat16, "cpu")
+    assert_close(pg.gemm(a, b, bias=bias), gemm_ref(a, b, bias), torch.bfloat16)
+    # the weight-only path multiplies x (the A operand) through the same driver above its
+    # small-M kernels (M > 64)
+    q, s = pg.quantize_weight(b.mT.contiguous(), bits=8)
+    w = (q.float() * s.float()[:, None]).to(torch.float64)
+    ref = (a.to(torch.float64) @ w.mT).to(torch.bfloat16)
+    assert_close(pg.mixed_linear(a, q, s, bits=8), ref, torch.bfloat16)

@@ -446,11 +446,16 @@ namespace {
 // b + k * ldb: ldb = NR when packed, B's row stride when read in place).
 using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, int64_t ldb,
                              const float* in, int64_t ldin, float* out, int64_t ldout);
+// The same for the bf16 pair kernels with A read in place: row i of the M x 2 kp block at
+// a + i * lda (bf16 elements, unit column stride), its k pairs already adjacent.
+using RowsKernel = void (*)(int64_t kp, const uint16_t* a, int64_t lda, const float* b, int64_t ldb,
+                            const float* in, int64_t ldin, float* out, int64_t ldout);
 
 struct KernelSet {
   int mr, nr;
   int64_t kc, nc, mch;  // cache blocking (see the top of the file)
   MicroKernel kern[33];  // kern[m] for m = 1..mr
+  RowsKernel kern_rows[33];  // pair kernels with A in place, or null (see a_in_place)
   // bf16 pair kernels: panels hold bf16 pairs (k, k + 1) in 32-bit units instead of fp32,
   // and a micro-kernel's kc counts pairs. Sliver offsets in 32-bit units are unchanged.
   bool bf16_pairs = false;
@@ -558,10 +563,11 @@ PG_TARGET_AVX512 void kern_avx512(int64_t kc, const float* a, const float* b, in
 // pairs (a[i][2p], a[i][2p+1]) as one 32-bit unit per row (broadcast to all lanes), a B
 // sliver pairs (b[2p][j], b[2p+1][j]) per column. Like every vdpbf16ps user (oneDNN
 // included) this flushes bf16 denormals to zero.
-template <int M>
-PG_TARGET_AVX512_BF16 void kern_avx512_bf16(int64_t kp, const float* a, const float* b,
-                                            int64_t ldb, const float* in, int64_t ldin,
-                                            float* out, int64_t ldout) {
+// APair(i, p) is the 32-bit pair unit p of row i: from the packed sliver or from A itself.
+template <int M, typename APair>
+PG_TARGET_AVX512_BF16 inline void kern_avx512_bf16_body(int64_t kp, APair a_pair, const float* b,
+                                                        int64_t ldb, const float* in, int64_t ldin,
+                                                        float* out, int64_t ldout) {
   __m512 c0[M], c1[M];
   PG_UNROLL for (int i = 0; i < M; ++i) {
     if (in) {
@@ -572,22 +578,45 @@ PG_TARGET_AVX512_BF16 void kern_avx512_bf16(int64_t kp, const float* a, const fl
       c1[i] = _mm512_setzero_ps();
     }
   }
-  const int32_t* ap = reinterpret_cast<const int32_t*>(a);
   for (int64_t p = 0; p < kp; ++p) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 16);
     PG_UNROLL for (int i = 0; i < M; ++i) {
-      const __m512bh ai = (__m512bh)_mm512_set1_epi32(ap[i]);
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(a_pair(i, p));
       c0[i] = _mm512_dpbf16_ps(c0[i], ai, b0);
       c1[i] = _mm512_dpbf16_ps(c1[i], ai, b1);
     }
-    ap += kAvx512MR;
     b += ldb;
   }
   PG_UNROLL for (int i = 0; i < M; ++i) {
     _mm512_storeu_ps(out + i * ldout, c0[i]);
     _mm512_storeu_ps(out + i * ldout + 16, c1[i]);
   }
+}
+
+template <int M>
+PG_TARGET_AVX512_BF16 void kern_avx512_bf16(int64_t kp, const float* a, const float* b,
+                                            int64_t ldb, const float* in, int64_t ldin,
+                                            float* out, int64_t ldout) {
+  const int32_t* ap = reinterpret_cast<const int32_t*>(a);
+  kern_avx512_bf16_body<M>(kp, [ap](int i, int64_t p) { return ap[p * kAvx512MR + i]; }, b, ldb, in,
+                           ldin, out, ldout);
+}
+
+template <int M>
+PG_TARGET_AVX512_BF16 void kern_avx512_bf16_rows(int64_t kp, const uint16_t* a, int64_t lda,
+                                                 const float* b, int64_t ldb, const float* in,
+                                                 int64_t ldin, float* out, int64_t ldout) {
+  const char* row[M];
+  PG_UNROLL for (int i = 0; i < M; ++i) row[i] = reinterpret_cast<const char*>(a + i * lda);
+  kern_avx512_bf16_body<M>(
+      kp,
+      [&row](int i, int64_t p) {
+        int32_t v;  // rows are only 2-byte aligned in general
+        std::memcpy(&v, row[i] + 4 * p, 4);
+        return v;
+      },
+      b, ldb, in, ldin, out, ldout);
 }
 
 // bf16 x bf16 on the AMX tile unit: a 32 x 32 block of C (MT = 2) or its first 16 rows
@@ -669,6 +698,12 @@ const KernelSet* bf16_kernel_set() {
     s.kern[7] = kern_avx512_bf16<7>; s.kern[8] = kern_avx512_bf16<8>;
     s.kern[9] = kern_avx512_bf16<9>; s.kern[10] = kern_avx512_bf16<10>;
     s.kern[11] = kern_avx512_bf16<11>; s.kern[12] = kern_avx512_bf16<12>;
+    s.kern_rows[1] = kern_avx512_bf16_rows<1>; s.kern_rows[2] = kern_avx512_bf16_rows<2>;
+    s.kern_rows[3] = kern_avx512_bf16_rows<3>; s.kern_rows[4] = kern_avx512_bf16_rows<4>;
+    s.kern_rows[5] = kern_avx512_bf16_rows<5>; s.kern_rows[6] = kern_avx512_bf16_rows<6>;
+    s.kern_rows[7] = kern_avx512_bf16_rows<7>; s.kern_rows[8] = kern_avx512_bf16_rows<8>;
+    s.kern_rows[9] = kern_avx512_bf16_rows<9>; s.kern_rows[10] = kern_avx512_bf16_rows<10>;
+    s.kern_rows[11] = kern_avx512_bf16_rows<11>; s.kern_rows[12] = kern_avx512_bf16_rows<12>;
     return &s;
 #else
     return nullptr;
@@ -995,6 +1030,38 @@ struct DenseJob {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Whether the pair kernels may read A's slivers in place (bf16 pairs are adjacent when A's
+// columns are), saving the packing of A: only where the sliver's mr row pieces (kc k each)
+// take no more lines of any L1 set than the packed sliver does. The L1 data caches of
+// AVX-512 CPUs have 64 sets of 64-byte lines (4 KB a way), and a packed sliver of S bytes
+// takes ceil(S / 4 KB) lines of each set. Row pieces a multiple of 4 KB apart pile into the
+// same sets and evict each other and B's lines: on Zen 5, reading A in place anyway took
+// 1.19-1.21x the time at K = 2048 and 4096; where this allows it, 0.92-0.94x at K = 1024
+// and 0.94-0.97x at K = 256 and 512 (call-by-call pairs, bench/CPU_NOTES.md 42). Other
+// slivers and kc blocks shift every piece alike, so one sliver's count holds for all when
+// those shifts are whole lines; otherwise each piece is taken one line longer. One line a
+// set beyond the packed sliver's is allowed: a piece that starts inside a line (A not
+// 64-byte aligned) takes one more.
+bool a_in_place(const ConstMatrix& a, int64_t K, int64_t kc, int mr) {
+  if (a.dtype != DType::bf16 || a.col_stride != 1 || K % 2 != 0) return false;
+  constexpr int64_t kLine = 64, kSets = 64;
+  const int64_t stride = a.row_stride * 2, piece = kc * 2;
+  if (stride < piece) return false;
+  const int64_t packed = (mr * piece + kSets * kLine - 1) / (kSets * kLine);
+  const bool whole_lines = (mr * stride) % kLine == 0 && piece % kLine == 0;
+  const int64_t base = static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data) % (kSets * kLine));
+  int count[kSets] = {};
+  int64_t next = 0;  // first line not yet counted (pieces go up in address)
+  for (int i = 0; i < mr; ++i) {
+    const int64_t lo = (base + i * stride) / kLine;
+    const int64_t hi = (base + i * stride + piece - 1) / kLine + (whole_lines ? 0 : 1);
+    for (int64_t l = std::max(lo, next); l <= hi; ++l)
+      if (++count[l % kSets] > packed + 1) return false;
+    next = hi + 1;
+  }
+  return true;
+}
+
 void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi) {
   const DenseProblem& p = *job.p;
   const KernelSet& ks = *job.ks;
@@ -1018,8 +1085,10 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   constexpr int64_t kKeepA = int64_t(16) << 20;
   const bool keep_a = m_hi - m_lo <= mchb && n_hi - n_lo > ncb &&
                       npc * kub * mchb * int64_t(sizeof(float)) <= kKeepA;
+  const bool rows = pairs && ks.kern_rows[1] != nullptr && a_in_place(p.a, K, kcb, mr);
+  const uint16_t* a16 = static_cast<const uint16_t*>(p.a.data);
   float* bp = scratch(0, size_t(kub * ncb));
-  float* ap_all = scratch(1, size_t(kub * mchb * (keep_a ? npc : 1)));
+  float* ap_all = rows ? nullptr : scratch(1, size_t(kub * mchb * (keep_a ? npc : 1)));
   float* ws = npc > 1 ? scratch(2, size_t(mchb * ncb)) : nullptr;
   alignas(64) float tile[16 * 64];
 
@@ -1032,7 +1101,7 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
         const bool first = pc == 0, last = pc + kc == K;
         const int64_t ku = pairs ? (kc + 1) / 2 : kc;
         float* ap = keep_a ? ap_all + pc / kcb * kub * mchb : ap_all;
-        const bool pack_a_now = !keep_a || jc == n_lo;
+        const bool pack_a_now = !rows && (!keep_a || jc == n_lo);
         if (pairs) {
           p.pack_b_pairs(p.b_ctx, pc, kc, jc, nc, nr, bp);
           if (pack_a_now && ks.amx) pack_a_tiles_bf16(p.a, mo, mch, pc, kc, mr, ap);
@@ -1043,17 +1112,20 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
         }
         for (int64_t ir = 0; ir < mch; ir += mr) {
           const int m = int(std::min<int64_t>(mr, mch - ir));
-          const MicroKernel kern = ks.kern[m];
-          const float* a_sl = ap + ir * ku;
+          const float* a_sl = rows ? nullptr : ap + ir * ku;
+          const uint16_t* a_rows = rows ? a16 + (mo + ir) * p.a.row_stride + pc : nullptr;
+          const auto kern = [&](const float* b_sl, const float* in, float* out, int64_t ldout) {
+            if (rows) ks.kern_rows[m](ku, a_rows, p.a.row_stride, b_sl, nr, in, ncb, out, ldout);
+            else ks.kern[m](ku, a_sl, b_sl, nr, in, ncb, out, ldout);
+          };
           for (int64_t jr = 0; jr < nc; jr += nr) {
             const float* b_sl = bp + jr * ku;
-            const int64_t ldb = nr;
             float* w = ws ? ws + ir * ncb + jr : nullptr;
             if (last) {
-              kern(ku, a_sl, b_sl, ldb, first ? nullptr : w, ncb, tile, nr);
+              kern(b_sl, first ? nullptr : w, tile, nr);
               job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
             } else {
-              kern(ku, a_sl, b_sl, ldb, first ? nullptr : w, ncb, w, ncb);
+              kern(b_sl, first ? nullptr : w, w, ncb);
             }
           }
         }

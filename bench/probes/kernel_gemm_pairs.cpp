@@ -1,0 +1,107 @@
+// A/B of two settings of the kernel library's CPU gemm, call by call: random a [M, K],
+// b [K, N] (or, with LAYOUT "t", the transposed view of a row-major [N, K] weight), bf16 or
+// fp32; after a float64 check of a sample, REPS pairs of calls, one under setting 0 and one
+// under setting B (the first of a pair alternates), and the median and quartiles of the
+// per-pair time ratios. On a shared VM whose speed drifts over seconds (single timings of
+// the same code moved 0.6-1.7x there, bench/CPU_NOTES.md 40), two calls a few ms apart see
+// the same machine, so the ratio's spread is the code's: bench/CPU_NOTES.md 42 measured A
+// read in place with it (kernel_gemm.cpp's rounds of separate processes could not).
+//
+// It links against a scratch build of the library that exports the switch under test:
+//   extern "C" void pgx_set_a_mode(int mode);   // read by the code under test per call
+// (the shipped library has no such switch). Build the scratch library as kernel_gemm.cpp
+// says, then
+//   g++ -O2 -std=c++17 -Iinclude -Isrc/kernels bench/probes/kernel_gemm_pairs.cpp -L$AB
+//       -lpgk_a -Wl,-rpath,$AB -o $AB/pairs
+//   PORTABLE_GEMM_NUM_THREADS=2 [PGX_PAIR_B=2] $AB/pairs M N K REPS [f32|bf16 [n|t]]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "bf16_bits.h"
+#include "portable_gemm/kernels.h"
+
+using namespace portable_gemm;
+extern "C" void pgx_set_a_mode(int m);
+
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::fprintf(stderr, "usage: %s M N K REPS [f32|bf16 [n|t]]\n", argv[0]);
+    return 2;
+  }
+  const int64_t M = std::atol(argv[1]), N = std::atol(argv[2]), K = std::atol(argv[3]);
+  const int reps = std::atoi(argv[4]);
+  const bool bf16 = argc > 5 && std::strcmp(argv[5], "bf16") == 0;
+  const bool trans = argc > 6 && std::strcmp(argv[6], "t") == 0;
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  // Values rounded to bf16 when the inputs are bf16, so the float64 reference sees them.
+  std::vector<float> a(size_t(M * K)), b(size_t(K * N)), c(size_t(M * N));
+  for (auto& v : a) v = bf16 ? from_bf16(to_bf16(u(rng))) : u(rng);
+  for (auto& v : b) v = bf16 ? from_bf16(to_bf16(u(rng))) : u(rng);  // b[k][n], or w[n][k]
+  std::vector<uint16_t> ah, bh, ch;
+  if (bf16) {
+    for (float v : a) ah.push_back(to_bf16(v));
+    for (float v : b) bh.push_back(to_bf16(v));
+    ch.resize(c.size());
+  }
+  const DType dt = bf16 ? DType::bf16 : DType::f32;
+  const void* ap = bf16 ? static_cast<const void*>(ah.data()) : a.data();
+  const void* bp = bf16 ? static_cast<const void*>(bh.data()) : b.data();
+  void* cp = bf16 ? static_cast<void*>(ch.data()) : c.data();
+  GemmArgs g;
+  g.a = {ap, M, K, K, 1, dt};
+  g.b = trans ? ConstMatrix{bp, K, N, 1, K, dt} : ConstMatrix{bp, K, N, N, 1, dt};
+  g.c = {cp, M, N, N, 1, dt};
+  auto bval = [&](int64_t k, int64_t j) { return double(trans ? b[size_t(j * K + k)] : b[size_t(k * N + j)]); };
+  auto cval = [&](int64_t i, int64_t j) { return bf16 ? double(from_bf16(ch[size_t(i * N + j)])) : double(c[size_t(i * N + j)]); };
+  auto call = [&] {
+    const Status st = cpu::gemm(g, builtin_executor());
+    if (!st.ok()) {
+      std::fprintf(stderr, "gemm: %s\n", st.message);
+      std::exit(1);
+    }
+  };
+  call();
+  double err = 0;
+  for (int s = 0; s < 64; ++s) {
+    const int64_t i = (s * 7919) % M, j = (s * 104729) % N;
+    double ref = 0, mag = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      ref += double(a[size_t(i * K + k)]) * bval(k, j);
+      mag += std::fabs(double(a[size_t(i * K + k)]) * bval(k, j));
+    }
+    err = std::max(err, std::fabs(cval(i, j) - ref) / mag);
+  }
+  if (err > (bf16 ? 1e-2 : 1e-5)) {
+    std::fprintf(stderr, "wrong: relative error %.3g\n", err);
+    return 1;
+  }
+  std::vector<double> r, t0s, t1s;
+  for (int i = 0; i < reps; ++i) {
+    double tm[2];
+    for (int h = 0; h < 2; ++h) {
+      const int mode = (i + h) % 2;  // swap which goes first every pair
+      static const int other = std::getenv("PGX_PAIR_B") ? std::atoi(std::getenv("PGX_PAIR_B")) : 1;
+      pgx_set_a_mode(mode == 0 ? 0 : other);
+      const auto s0 = std::chrono::steady_clock::now();
+      call();
+      tm[mode] = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
+    }
+    r.push_back(tm[1] / tm[0]);
+    t0s.push_back(tm[0]);
+    t1s.push_back(tm[1]);
+  }
+  auto med = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+  std::vector<double> rs = r;
+  std::sort(rs.begin(), rs.end());
+  std::printf("M=%ld N=%ld K=%ld: error %.1e, %d pairs: in place / packed median %.3f (quartiles %.3f-%.3f), "
+              "median ms packed %.3f in place %.3f\n", long(M), long(N), long(K), err, reps, med(r),
+              rs[rs.size() / 4], rs[3 * rs.size() / 4], med(t0s) * 1e3, med(t1s) * 1e3);
+}
