@@ -12,6 +12,19 @@
 //
 // On a shared VM alternate the builds for several rounds (single runs moved 28-43 ms at
 // 1024^3 within minutes there).
+//
+// Built with -DPG_PROBE_PAIRS it is an A/B of two settings inside one library instead, call
+// by call: REPS pairs of calls, one under setting 0 and one under setting B (PGX_PAIR_B,
+// default 1; the first of a pair alternates), and the median and quartiles of the per-pair
+// time ratios. Two calls a few ms apart see the same VM, whose speed drifts over seconds
+// (separate processes of the same code moved 0.6-1.7x, bench/CPU_NOTES.md 40), so the
+// spread is the code's; CPU_NOTES 42 measured A read in place with it. It links against a
+// scratch build of the library that exports the switch under test,
+//   extern "C" void pgx_set_a_mode(int mode);   // read by the code under test per call
+// (the shipped library has none):
+//   g++ -O2 -std=c++17 -DPG_PROBE_PAIRS -Iinclude bench/probes/kernel_gemm.cpp -L$AB -lpgk_a
+//       -Wl,-rpath,$AB -o $AB/gemm_pairs
+//   PORTABLE_GEMM_NUM_THREADS=2 [PGX_PAIR_B=2] $AB/gemm_pairs M N K REPS [f32|bf16 [n|t]]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -25,6 +38,9 @@
 #include "portable_gemm/kernels.h"
 
 using namespace portable_gemm;
+#ifdef PG_PROBE_PAIRS
+extern "C" void pgx_set_a_mode(int mode);
+#endif
 
 
 int main(int argc, char** argv) {
@@ -80,6 +96,30 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "wrong: relative error %.3g\n", err);
     return 1;
   }
+#ifdef PG_PROBE_PAIRS
+  const int other = std::getenv("PGX_PAIR_B") ? std::atoi(std::getenv("PGX_PAIR_B")) : 1;
+  std::vector<double> r, t0s, t1s;
+  for (int i = 0; i < reps; ++i) {
+    double tm[2];
+    for (int h = 0; h < 2; ++h) {
+      const int mode = (i + h) % 2;  // swap which goes first every pair
+      pgx_set_a_mode(mode == 0 ? 0 : other);
+      const auto s0 = std::chrono::steady_clock::now();
+      call();
+      tm[mode] = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
+    }
+    r.push_back(tm[1] / tm[0]);
+    t0s.push_back(tm[0]);
+    t1s.push_back(tm[1]);
+  }
+  auto med = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+  std::vector<double> rs = r;
+  std::sort(rs.begin(), rs.end());
+  std::printf("M=%ld N=%ld K=%ld: error %.1e, %d pairs: setting %d / setting 0 median %.3f (quartiles "
+              "%.3f-%.3f), median ms setting 0 %.3f, setting %d %.3f\n", long(M), long(N), long(K), err, reps,
+              other, med(r),
+              rs[rs.size() / 4], rs[3 * rs.size() / 4], med(t0s) * 1e3, other, med(t1s) * 1e3);
+#else
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -90,4 +130,5 @@ int main(int argc, char** argv) {
   const double med = t[t.size() / 2];
   std::printf("M=%ld N=%ld K=%ld: error %.1e, median %.2f ms (%.1f GFLOP/s), fastest %.2f ms\n", long(M),
               long(N), long(K), err, med * 1e3, 2.0 * M * N * K / med / 1e9, t[0] * 1e3);
+#endif
 }

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <utility>
 
 #include "cpu/common.h"
 
@@ -664,6 +665,12 @@ PG_TARGET_AMX void kern_amx(int64_t kp, const float* a, const float* b, int64_t 
   }
 }
 
+// kern[m] and kern_rows[m] of the pair set for m = 1..kAvx512MR.
+template <int... I>
+void set_pair_kernels(KernelSet& s, std::integer_sequence<int, I...>) {
+  ((s.kern[I + 1] = kern_avx512_bf16<I + 1>, s.kern_rows[I + 1] = kern_avx512_bf16_rows<I + 1>), ...);
+}
+
 bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512bf16");
@@ -692,18 +699,7 @@ const KernelSet* bf16_kernel_set() {
     s.nc = 1024;
     s.mch = 2040;
     s.bf16_pairs = true;
-    s.kern[1] = kern_avx512_bf16<1>; s.kern[2] = kern_avx512_bf16<2>;
-    s.kern[3] = kern_avx512_bf16<3>; s.kern[4] = kern_avx512_bf16<4>;
-    s.kern[5] = kern_avx512_bf16<5>; s.kern[6] = kern_avx512_bf16<6>;
-    s.kern[7] = kern_avx512_bf16<7>; s.kern[8] = kern_avx512_bf16<8>;
-    s.kern[9] = kern_avx512_bf16<9>; s.kern[10] = kern_avx512_bf16<10>;
-    s.kern[11] = kern_avx512_bf16<11>; s.kern[12] = kern_avx512_bf16<12>;
-    s.kern_rows[1] = kern_avx512_bf16_rows<1>; s.kern_rows[2] = kern_avx512_bf16_rows<2>;
-    s.kern_rows[3] = kern_avx512_bf16_rows<3>; s.kern_rows[4] = kern_avx512_bf16_rows<4>;
-    s.kern_rows[5] = kern_avx512_bf16_rows<5>; s.kern_rows[6] = kern_avx512_bf16_rows<6>;
-    s.kern_rows[7] = kern_avx512_bf16_rows<7>; s.kern_rows[8] = kern_avx512_bf16_rows<8>;
-    s.kern_rows[9] = kern_avx512_bf16_rows<9>; s.kern_rows[10] = kern_avx512_bf16_rows<10>;
-    s.kern_rows[11] = kern_avx512_bf16_rows<11>; s.kern_rows[12] = kern_avx512_bf16_rows<12>;
+    set_pair_kernels(s, std::make_integer_sequence<int, kAvx512MR>{});
     return &s;
 #else
     return nullptr;
