@@ -115,6 +115,7 @@ A_IN_PLACE_CASES = [
     (100, 1024, 70, 1024, 1),  # the same 2 bytes off: every piece straddles a line
     (100, 1024, 70, 1040, 0),  # padded rows (not whole lines apart): each piece a line longer
     (100, 1600, 70, 1600, 0),  # two kc blocks of 800: partial sums between them
+    (100, 1600, 2100, 1600, 0),  # and several column blocks a task (packed A would be kept)
     (100, 2048, 70, 2048, 0),  # pieces 4 KB apart pile into the same sets: packed
     (100, 1024, 70, 2048, 0),  # K = 1024 in rows 4 KB apart: packed
     (100, 1023, 70, 1024, 0),  # odd K: packed (the last pair has one element)

@@ -1079,10 +1079,10 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   // again), as long as they fit kKeepA bytes: 2 % of the time of an M = 256 weight-only
   // GEMM went into packing A again (bench/CPU_NOTES.md, 20).
   constexpr int64_t kKeepA = int64_t(16) << 20;
-  const bool keep_a = m_hi - m_lo <= mchb && n_hi - n_lo > ncb &&
-                      npc * kub * mchb * int64_t(sizeof(float)) <= kKeepA;
   const bool rows = pairs && ks.kern_rows[1] != nullptr && a_in_place(p.a, K, kcb, mr);
   const uint16_t* a16 = static_cast<const uint16_t*>(p.a.data);
+  const bool keep_a = !rows && m_hi - m_lo <= mchb && n_hi - n_lo > ncb &&
+                      npc * kub * mchb * int64_t(sizeof(float)) <= kKeepA;
   float* bp = scratch(0, size_t(kub * ncb));
   float* ap_all = rows ? nullptr : scratch(1, size_t(kub * mchb * (keep_a ? npc : 1)));
   float* ws = npc > 1 ? scratch(2, size_t(mchb * ncb)) : nullptr;
@@ -1097,7 +1097,7 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
         const bool first = pc == 0, last = pc + kc == K;
         const int64_t ku = pairs ? (kc + 1) / 2 : kc;
         float* ap = keep_a ? ap_all + pc / kcb * kub * mchb : ap_all;
-        const bool pack_a_now = !rows && (!keep_a || jc == n_lo);
+        const bool pack_a_now = !rows && (!keep_a || jc == n_lo);  // rows: ap_all is null
         if (pairs) {
           p.pack_b_pairs(p.b_ctx, pc, kc, jc, nc, nr, bp);
           if (pack_a_now && ks.amx) pack_a_tiles_bf16(p.a, mo, mch, pc, kc, mr, ap);
