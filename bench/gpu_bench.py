@@ -310,7 +310,14 @@ print("PROBE" + json.dumps(res))
 TARGET_TOLERANCE = 0.05
 
 
-def compare_targets(other: str, rounds: int = 25) -> dict:
+# 25, not 15: the eager M = 1 case is host-bound and each process runs in one of two host
+# modes (~15 or ~21 us a call, either target), so a median of 15 per-round ratios could land
+# 9% off with the same kernels on both sides (run 50b: 0.912; 25 rounds on the same wheel,
+# run 50d: 0.992; bench/GPU_NOTES.md, session of 2026-12-02 from 12:34).
+TARGET_ROUNDS = 25
+
+
+def compare_targets(other: str, rounds: int = TARGET_ROUNDS) -> dict:
     """TARGET_PROBE's cases under `other` against the default target, `rounds` alternating
     rounds (target_rounds.alternate: median of the per-round ratios)."""
     return target_rounds.alternate(TARGET_PROBE, [str(Path(__file__).parent)], other, rounds)
@@ -528,11 +535,8 @@ def main() -> int:
     ap.add_argument("--skip-weight-only", action="store_true")
     ap.add_argument("--compare-target", default="2.9",
                     help="also time a few cases under this target vs the default, alternating; '' to skip")
-    # 25, not 15: the eager M = 1 case is host-bound and each process runs in one of two host
-    # modes (~15 or ~21 us a call, either target), so a median of 15 per-round ratios could
-    # land 9% off with the same kernels on both sides (run 50b: 0.912; 25 rounds on the same
-    # wheel, run 50d: 0.992; bench/GPU_NOTES.md, session of 2026-12-02 from 12:34).
-    ap.add_argument("--target-rounds", type=int, default=25, help="alternating rounds of the target comparison")
+    ap.add_argument("--target-rounds", type=int, default=TARGET_ROUNDS,
+                    help="alternating rounds of the target comparison")
     ap.add_argument("--targets-only", metavar="JSON",
                     help="only the target comparison, written to JSON (e.g. under a CUDA torch 2.13 with "
                          "--compare-target 2.11: the stream branch, nativeHandle against the shim)")
