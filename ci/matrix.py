@@ -208,7 +208,8 @@ def features_text(f) -> str:
     if not f:
         return ""
     short = {"aoti_torch_get_current_cuda_stream": "aoti stream", "Stream::nativeHandle": "nativeHandle",
-             "torch::stable::parallel_for": "stable parallel_for", "portable_gemm_pool": "own pool"}
+             "torch::stable::parallel_for": "stable parallel_for", "portable_gemm_pool": "own pool",
+             "torch_openmp": "torch's OpenMP"}
     keys = [k for k in ("stream_api", "threading", "cuda_error_check") if f.get(k)]
     return ", ".join(f"{k}={short.get(str(f[k]), f[k])}" for k in keys)
 

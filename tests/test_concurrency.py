@@ -377,6 +377,34 @@ print("SIZES", sizes, "WORKERS", workers, flush=True)
 """
 
 
+# Target 2.9 on torch's OpenMP runtime (torch_openmp.h): our ops run on torch's own OpenMP
+# threads, at torch's count. Counted in native threads: nothing at one thread; at three,
+# our call starts OpenMP's team (two threads beyond the caller), and a torch op at three
+# after it starts no more (the same team; on the own pool it would add OpenMP's two).
+ONE_POOL = r"""
+import os, torch, portable_gemm as pg
+assert pg.info()["target"] == "2.9", pg.info()["target"]
+assert pg.info()["features"]["threading"] == "torch_openmp", pg.info()["features"]
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+torch.set_num_threads(1)
+a, b, big = torch.randn(1024, 1024), torch.randn(1024, 1024), torch.randn(1 << 22)
+ref = torch.mm(a.double(), b.double()).float()
+base = tasks()
+counts, outs = [], []
+for n in (1, 3):
+    torch.set_num_threads(n)
+    outs.append(pg.gemm(a, b))
+    counts.append(tasks() - base)
+(big * 2).sum()  # at::parallel_for at 3 threads: torch's OpenMP team
+counts.append(tasks() - base)
+torch.set_num_threads(1)
+for y in outs:
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-3)
+print("THREADS", counts, flush=True)
+"""
+
+
 def _spawn(code, env=None, args=()):
     full = dict(os.environ)
     full.pop("PORTABLE_GEMM_TARGET", None)
@@ -389,11 +417,13 @@ def _spawn(code, env=None, args=()):
 def procs():
     started = {
         "fork_2.9": _spawn(FORK, {"PORTABLE_GEMM_TARGET": "2.9"}),
+        "fork_2.9_own": _spawn(FORK, {"PORTABLE_GEMM_TARGET": "2.9", "PORTABLE_GEMM_POOL": "own"}),
         "shutdown_2.9": _spawn(SHUTDOWN, {"PORTABLE_GEMM_TARGET": "2.9"}),
         "shutdown_default": _spawn(SHUTDOWN),
         "late_door": _spawn(LATE_RETURN, args=["door"]),
         "late_torch": _spawn(LATE_RETURN, args=["torch"]),
-        "pool_size": _spawn(POOL_SIZE, {"PORTABLE_GEMM_TARGET": "2.9"}),
+        "pool_size": _spawn(POOL_SIZE, {"PORTABLE_GEMM_TARGET": "2.9", "PORTABLE_GEMM_POOL": "own"}),
+        "one_pool": _spawn(ONE_POOL, {"PORTABLE_GEMM_TARGET": "2.9"}),
         "pool_size_env": _spawn(POOL_SIZE, {"PORTABLE_GEMM_TARGET": "2.9", "PORTABLE_GEMM_NUM_THREADS": "2"}),
     }
     yield started
@@ -414,10 +444,27 @@ def _wait(p, name, timeout=TIMEOUT):
     return p.returncode, out, err
 
 
-def test_builtin_pool_threads_and_fork(procs):
-    rc, out, err = _wait(procs["fork_2.9"], "fork_2.9")
+TORCH_OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+# Target 2.9 on torch's OpenMP runtime (a child forked after it has run falls back to the own
+# pool: GNU OpenMP hangs there) and on the own pool (PORTABLE_GEMM_POOL=own).
+@pytest.mark.parametrize("which, feature", [
+    ("fork_2.9", "torch_openmp" if TORCH_OPENMP else "portable_gemm_pool"),
+    ("fork_2.9_own", "portable_gemm_pool"),
+])
+def test_target_2_9_threads_and_fork(procs, which, feature):
+    rc, out, err = _wait(procs[which], which)
     assert rc == 0, f"exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
-    assert "FORK-OK portable_gemm_pool" in out, out
+    assert f"FORK-OK {feature}\n" in out, out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+@pytest.mark.skipif(not TORCH_OPENMP, reason="torch here does not run on OpenMP")
+def test_target_2_9_shares_torchs_openmp_threads(procs):
+    rc, out, err = _wait(procs["one_pool"], "one_pool")
+    assert rc == 0, f"exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
+    assert "THREADS [0, 2, 2]" in out, out
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")

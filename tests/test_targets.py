@@ -86,8 +86,13 @@ def test_forced_target_computes(target, tmp_path):
     loaded = [c for c in info["candidates"] if c["status"] == "loaded"]
     assert [c["target"] for c in loaded] == [target]
     assert info["libraries"]["cpu"].endswith(f"portable_gemm_cpu_t{target.replace('.', '_')}.so")
-    want_threads = "portable_gemm_pool" if target == "2.9" else "torch::stable::parallel_for"
-    assert info["features"]["threading"] == want_threads
+    if target != "2.9":
+        want_threads = "torch::stable::parallel_for"
+    else:  # torch's OpenMP runtime where torch runs on OpenMP (its Linux wheels), else the own pool
+        want_threads = "torch_openmp" if "parallel backend: OpenMP" in torch.__config__.parallel_info() \
+            else "portable_gemm_pool"
+    assert info["features"]["threading"] == want_threads, info["features"]
+    assert info["features"]["threading_why"], info["features"]
     check_smoke_results(res["saved"], target)
 
 

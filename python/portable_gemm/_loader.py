@@ -214,6 +214,7 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     target_features = next((t["features"] for t in manifest.get("matrix_targets", [])
                             if t["version"] == state.target), {})
     state.features = {**target_features, "threading": binding.info.get("threading"),
+                      "threading_why": binding.info.get("threading_why"),
                       "cpu_isa": binding.info.get("cpu_isa")}
     _load_cuda(state, lib_dir, namespace)
     return state

@@ -33,6 +33,8 @@ PG_BINDING_EXPORT const char* portable_gemm_binding_info() {
   static const std::string info = std::string("{\"target\": \"") + PG_TARGET_VERSION +
                                   "\", \"device\": \"cpu\", \"threading\": \"" +
                                   portable_gemm::compat::cpu_executor().name +
+                                  "\", \"threading_why\": \"" +
+                                  portable_gemm::compat::cpu_executor_why() +
                                   "\", \"cpu_isa\": \"" + portable_gemm::cpu::isa() + "\"}";
   return info.c_str();
 }

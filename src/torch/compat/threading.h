@@ -1,10 +1,14 @@
 // CPU threading. >= 2.10: torch's own pool through torch::stable::parallel_for, so
-// torch.set_num_threads applies to us too. 2.9 has no stable parallel_for: the kernel
-// library's own pool.
+// torch.set_num_threads applies to us too. 2.9 has no stable parallel_for: torch's OpenMP
+// runtime called directly where it is found, else the kernel library's own pool
+// (torch_openmp.h says when and why).
 #pragma once
 #include <portable_gemm/kernels.h>
 #include <torch/csrc/stable/ops.h>
 #include "compat/version.h"
+#if !PG_TARGET_AT_LEAST_2_10
+#include "compat/torch_openmp.h"
+#endif
 
 namespace portable_gemm::compat {
 
@@ -23,8 +27,10 @@ inline const Executor& cpu_executor() {
   }();
   return exec;
 }
+inline const char* cpu_executor_why() { return "the stable parallel_for of torch >= 2.10"; }
 #else
-inline const Executor& cpu_executor() { return builtin_executor(); }
+inline const Executor& cpu_executor() { return torch_openmp_or_own_pool(); }
+inline const char* cpu_executor_why() { return torch_openmp().why.c_str(); }
 #endif
 
 }  // namespace portable_gemm::compat
