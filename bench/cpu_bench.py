@@ -387,7 +387,12 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
         raw = targets["raw"]
         best = target_rounds.fastest(targets)
         worst_best = max(abs(v - 1) for v in best.values())
-        row(f"target {targets['target']} (own pool) within 10% of {meta['target']} (torch's pool); "
+        # Runs before the probe reported its threading (2.9 was then always on the own pool).
+        pools = {"portable_gemm_pool": "own pool", "torch_openmp": "torch's OpenMP",
+                 "torch::stable::parallel_for": "torch's pool"}
+        other_pool = pools.get(raw["other"][0].get("threading"), "own pool")
+        default_pool = pools.get(raw["default"][0].get("threading"), "torch's pool")
+        row(f"target {targets['target']} ({other_pool}) within 10% of {meta['target']} ({default_pool}); "
             f"time {targets['target']} / time {meta['target']}, median of {len(raw['other'])} "
             "alternating rounds",
             ", ".join(f"{k}: {v:.2f}x" for k, v in targets["ratios"].items())
@@ -410,13 +415,20 @@ w = (torch.randn(4096, 4096) * 0.02).bfloat16()
 q, s = pg.quantize_weight(w, bits=8)
 q4, s4 = pg.quantize_weight(w, bits=4, group_size=128)
 x1, x16, x256 = (torch.randn(m, 4096).bfloat16() for m in (1, 16, 256))
-res = {"target": pg.info()["target"],
+t = torch.zeros(1 << 16)  # a torch op on its pool (at::parallel_for) right before ours: a model's pattern
+def after_torch_op(f):
+    t.add_(1.0)
+    return f()
+res = {"target": pg.info()["target"], "threading": pg.info()["features"]["threading"],
        "gemm f32 1024": timeit(lambda i: pg.gemm(a, b))[0],
        "gemm bf16 1024": timeit(lambda i: pg.gemm(ab, bb))[0],
        "int8 M=1 4096": timeit(lambda i: pg.mixed_linear(x1, q, s, bits=8))[0],
        "int8 M=16 4096": timeit(lambda i: pg.mixed_linear(x16, q, s, bits=8))[0],
        "int4 M=1 4096": timeit(lambda i: pg.mixed_linear(x1, q4, s4, bits=4, group_size=128))[0],
-       "int4 M=256 4096": timeit(lambda i: pg.mixed_linear(x256, q4, s4, bits=4, group_size=128))[0]}
+       "int4 M=256 4096": timeit(lambda i: pg.mixed_linear(x256, q4, s4, bits=4, group_size=128))[0],
+       "gemm f32 1024 after a torch op": timeit(lambda i: after_torch_op(lambda: pg.gemm(a, b)))[0],
+       "int4 M=1 4096 after a torch op":
+           timeit(lambda i: after_torch_op(lambda: pg.mixed_linear(x1, q4, s4, bits=4, group_size=128)))[0]}
 print("PROBE" + json.dumps(res))
 """
 

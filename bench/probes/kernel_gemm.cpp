@@ -39,7 +39,9 @@
 
 using namespace portable_gemm;
 #ifdef PG_PROBE_PAIRS
-extern "C" void pgx_set_a_mode(int mode);
+// Weak: a pairing of executors (PGX_PAIR_EXEC=omp) needs no switch in the library.
+extern "C" void pgx_set_a_mode(int mode) __attribute__((weak));
+#include "omp_executor.h"
 #endif
 
 
@@ -74,8 +76,9 @@ int main(int argc, char** argv) {
   g.c = {cp, M, N, N, 1, dt};
   auto bval = [&](int64_t k, int64_t j) { return double(trans ? b[size_t(j * K + k)] : b[size_t(k * N + j)]); };
   auto cval = [&](int64_t i, int64_t j) { return bf16 ? double(from_bf16(ch[size_t(i * N + j)])) : double(c[size_t(i * N + j)]); };
+  const Executor* exec = &builtin_executor();
   auto call = [&] {
-    const Status st = cpu::gemm(g, builtin_executor());
+    const Status st = cpu::gemm(g, *exec);
     if (!st.ok()) {
       std::fprintf(stderr, "gemm: %s\n", st.message);
       std::exit(1);
@@ -98,12 +101,21 @@ int main(int argc, char** argv) {
   }
 #ifdef PG_PROBE_PAIRS
   const int other = std::getenv("PGX_PAIR_B") ? std::atoi(std::getenv("PGX_PAIR_B")) : 1;
+  // PGX_PAIR_EXEC=omp: setting 0 is the library's pool, setting 1 omp_executor() (no switch).
+  const bool pair_exec = std::getenv("PGX_PAIR_EXEC") && std::strcmp(std::getenv("PGX_PAIR_EXEC"), "omp") == 0;
+  if (!pair_exec && !pgx_set_a_mode) {
+    std::fprintf(stderr, "the library exports no pgx_set_a_mode; set PGX_PAIR_EXEC=omp or link a scratch build\n");
+    return 2;
+  }
   std::vector<double> r, t0s, t1s;
   for (int i = 0; i < reps; ++i) {
     double tm[2];
     for (int h = 0; h < 2; ++h) {
       const int mode = (i + h) % 2;  // swap which goes first every pair
-      pgx_set_a_mode(mode == 0 ? 0 : other);
+      if (pair_exec)
+        exec = mode == 0 ? &builtin_executor() : &omp_executor();
+      else
+        pgx_set_a_mode(mode == 0 ? 0 : other);
       const auto s0 = std::chrono::steady_clock::now();
       call();
       tm[mode] = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
