@@ -176,6 +176,9 @@ def same(x, y):
 
 FORK = COMMON + r"""
 assert pg.info()["target"] == os.environ["PORTABLE_GEMM_TARGET"], pg.info()["target"]
+# Two threads even on one core: on torch's OpenMP the fork cases mean something only where
+# the parent has run a team (GNU OpenMP hangs in such a child without the fallback).
+torch.set_num_threads(2)
 threading_feature = pg.info()["features"]["threading"]
 ref = work()
 
@@ -379,10 +382,13 @@ print("SIZES", sizes, "WORKERS", workers, flush=True)
 
 # Target 2.9 on torch's OpenMP runtime (torch_openmp.h): our ops run on torch's own OpenMP
 # threads, at torch's count. Counted in native threads: nothing at one thread; at three,
-# our call starts OpenMP's team (two threads beyond the caller), and a torch op at three
-# after it starts no more (the same team; on the own pool it would add OpenMP's two).
+# our call starts OpenMP's team (two threads beyond the caller here, where no OMP_*
+# variable limits it), and a torch op at three after it starts no more (the same team; on
+# the own pool it would add OpenMP's two). Then a new Python thread, with torch at one
+# thread: our call there starts nothing (OpenMP's count is per thread; the wrappers set
+# the new thread's as torch's first op there would, else it runs at OpenMP's default).
 ONE_POOL = r"""
-import os, torch, portable_gemm as pg
+import os, threading, torch, portable_gemm as pg
 assert pg.info()["target"] == "2.9", pg.info()["target"]
 assert pg.info()["features"]["threading"] == "torch_openmp", pg.info()["features"]
 def tasks():
@@ -399,14 +405,20 @@ for n in (1, 3):
 (big * 2).sum()  # at::parallel_for at 3 threads: torch's OpenMP team
 counts.append(tasks() - base)
 torch.set_num_threads(1)
+def fresh():
+    before = tasks()
+    outs.append(pg.gemm(a, b))
+    counts.append(tasks() - before)
+t = threading.Thread(target=fresh)
+t.start(); t.join()
 for y in outs:
     assert torch.allclose(y, ref, rtol=1e-4, atol=1e-3)
 print("THREADS", counts, flush=True)
 """
 
 
-def _spawn(code, env=None, args=()):
-    full = dict(os.environ)
+def _spawn(code, env=None, args=(), drop_prefixes=()):
+    full = {k: v for k, v in os.environ.items() if not k.startswith(tuple(drop_prefixes))}
     full.pop("PORTABLE_GEMM_TARGET", None)
     full.update(env or {})
     return subprocess.Popen([sys.executable, "-c", code, *args], env=full, stdout=subprocess.PIPE,
@@ -423,7 +435,7 @@ def procs():
         "late_door": _spawn(LATE_RETURN, args=["door"]),
         "late_torch": _spawn(LATE_RETURN, args=["torch"]),
         "pool_size": _spawn(POOL_SIZE, {"PORTABLE_GEMM_TARGET": "2.9", "PORTABLE_GEMM_POOL": "own"}),
-        "one_pool": _spawn(ONE_POOL, {"PORTABLE_GEMM_TARGET": "2.9"}),
+        "one_pool": _spawn(ONE_POOL, {"PORTABLE_GEMM_TARGET": "2.9"}, drop_prefixes=("OMP_", "GOMP_", "KMP_")),
         "pool_size_env": _spawn(POOL_SIZE, {"PORTABLE_GEMM_TARGET": "2.9", "PORTABLE_GEMM_NUM_THREADS": "2"}),
     }
     yield started
@@ -464,7 +476,7 @@ def test_target_2_9_threads_and_fork(procs, which, feature):
 def test_target_2_9_shares_torchs_openmp_threads(procs):
     rc, out, err = _wait(procs["one_pool"], "one_pool")
     assert rc == 0, f"exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
-    assert "THREADS [0, 2, 2]" in out, out
+    assert "THREADS [0, 2, 2, 0]" in out, out
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")

@@ -96,6 +96,27 @@ def test_forced_target_computes(target, tmp_path):
     check_smoke_results(res["saved"], target)
 
 
+@pytest.mark.parametrize("target, pool, threading_", [
+    ("2.9", "own", "portable_gemm_pool"),
+    ("2.9", "banana", "portable_gemm_pool"),
+    ("2.10", "banana", "torch::stable::parallel_for"),
+])
+def test_pool_env(target, pool, threading_):
+    """PORTABLE_GEMM_POOL=own puts target 2.9 on the library's own pool, and says so; a value
+    that is neither 'own' nor 'openmp' is warned about at import (only 2.9 reads it)."""
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "import json, torch, portable_gemm as pg\n"
+            "print('FEATURES', json.dumps(pg.info()['features']))")
+    proc = run_python(code, env={"PORTABLE_GEMM_TARGET": target, "PORTABLE_GEMM_POOL": pool})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    features = __import__("json").loads(proc.stdout.split("FEATURES ", 1)[1])
+    assert features["threading"] == threading_, features
+    if target == "2.9":
+        assert features["threading_why"].startswith(f"PORTABLE_GEMM_POOL={pool}"), features
+    warned = f"PORTABLE_GEMM_POOL='{pool}' is neither 'own' nor 'openmp'" in proc.stderr
+    assert warned == (pool not in ("own", "openmp")), proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("forced,message", [
     ("2.14", r"PORTABLE_GEMM_TARGET=2.14 names no built target"),
     ("9.9", r"PORTABLE_GEMM_TARGET=9.9 names no built target"),

@@ -5,7 +5,8 @@ for milliseconds before it sleeps). A pool of our own then shares the cores with
 child process times, per case, the call alone and the call right after a small parallel
 torch op (`t.add_(1)` over 64 Ki floats, ~10 us: it wakes torch's OpenMP team), under one of
 
-  * `2.13`: target 2.13, torch's pool through torch::stable::parallel_for;
+  * `default`: the target the loader picks (2.13 on torch 2.13, 2.11 on torch 2.11), torch's
+    pool through torch::stable::parallel_for;
   * `2.9`: target 2.9, torch's OpenMP runtime called directly (torch_openmp.h);
   * `2.9 own`: target 2.9 on the library's own pool (PORTABLE_GEMM_POOL=own).
 
@@ -50,7 +51,7 @@ for name, f in cases.items():
 print("PROBE" + json.dumps(res))
 """
 
-ARMS = {"2.13": {"PORTABLE_GEMM_TARGET": "2.13"},
+ARMS = {"default": {},
         "2.9": {"PORTABLE_GEMM_TARGET": "2.9"},
         "2.9 own": {"PORTABLE_GEMM_TARGET": "2.9", "PORTABLE_GEMM_POOL": "own"}}
 

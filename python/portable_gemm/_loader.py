@@ -216,6 +216,11 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     state.features = {**target_features, "threading": binding.info.get("threading"),
                       "threading_why": binding.info.get("threading_why"),
                       "cpu_isa": binding.info.get("cpu_isa")}
+    pool = os.environ.get("PORTABLE_GEMM_POOL", "")
+    if pool not in ("", "own", "openmp"):
+        warnings.warn(f"portable_gemm: PORTABLE_GEMM_POOL={pool!r} is neither 'own' nor 'openmp'; target "
+                      f"{state.target}'s CPU ops run on {state.features['threading']} "
+                      f"({state.features['threading_why']})", RuntimeWarning, stacklevel=2)
     _load_cuda(state, lib_dir, namespace)
     return state
 

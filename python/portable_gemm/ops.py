@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
+import threading
 
 import torch
 
@@ -67,12 +68,28 @@ _MIXED_LINEAR_DIRECT = _direct("mixed_linear")
 
 
 def _pool_follower():
-    """Target 2.9 has no stable parallel_for: its CPU ops run on the kernel library's own
-    pool. This sizes that pool after torch.get_num_threads() now and returns a check that the
-    wrappers run on each call (a new size when torch's changed), so torch.set_num_threads
-    applies on every target. PORTABLE_GEMM_NUM_THREADS, where set, fixes the size instead.
+    """Target 2.9 has no stable parallel_for. Its CPU ops run on torch's OpenMP runtime, else
+    on the kernel library's own pool (src/torch/compat/torch_openmp.h); the check returned
+    here runs on each wrapper call so that torch.set_num_threads applies as on every target.
+    - torch's OpenMP: its count of threads is per thread, and torch sets it on a thread at
+      that thread's first parallel op. The check calls torch.get_num_threads() once on each
+      thread, which does the same; without it a new thread would run our ops at OpenMP's
+      default (every core).
+    - the own pool: sized after torch.get_num_threads() now and again whenever that changed.
+      PORTABLE_GEMM_NUM_THREADS, where set, fixes the size instead.
     None on targets that run on torch's pool."""
     state = _load()
+    if state.features.get("threading") == "torch_openmp":
+        seen = threading.local()
+        get_count = torch.get_num_threads
+
+        def init_thread() -> None:
+            if not getattr(seen, "done", False) and not _is_compiling():
+                get_count()
+                seen.done = True
+
+        init_thread()
+        return init_thread
     if state.features.get("threading") != "portable_gemm_pool":
         return None
     set_size = ctypes.CDLL(state.libraries["kernels"]).portable_gemm_set_pool_threads

@@ -11,8 +11,14 @@
 //  * PORTABLE_GEMM_POOL=own, or PORTABLE_GEMM_NUM_THREADS set (it sizes the own pool);
 //  * no GOMP_parallel / omp_* entry points reachable from libtorch_cpu (Windows, a torch
 //    built without OpenMP);
-//  * in a child forked after this was set up: GNU OpenMP is not fork-safe (torch's own ops
-//    hang there too once the parent has used OpenMP), the own pool is.
+//  * in a child forked after this was set up (at import: info() builds it): GNU OpenMP is
+//    not fork-safe (torch's own ops hang there too once the parent has used OpenMP), the own
+//    pool is. A child forked before the import cannot be told apart; there our ops fare as
+//    torch's own do (they hang where the parent ran an OpenMP team and the child asks for
+//    more than one thread).
+// OpenMP's count of threads is per thread: torch sets it on each thread at that thread's
+// first parallel op (at::parallel_for's lazy init). The Python wrappers call
+// torch.get_num_threads() once on each thread for the same effect (ops.py).
 // OpenMP's ABI (GOMP_parallel, GCC >= 4.9) is the runtime's, not torch's: nothing here
 // touches torch's unstable ABI.
 #pragma once
@@ -52,6 +58,16 @@ inline std::atomic<bool>& forked_child() {
   return flag;
 }
 
+// The reason goes into info()'s JSON string as it is: printable ASCII only, no quotes or
+// backslashes (an environment value or a file name may hold anything).
+inline std::string json_safe(std::string s) {
+  for (char& c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\' || u < 0x20 || u >= 0x7f) c = '?';
+  }
+  return s;
+}
+
 inline TorchOpenMp find_torch_openmp() {
   TorchOpenMp rt;
   rt.name = "portable_gemm_pool";
@@ -61,10 +77,7 @@ inline TorchOpenMp find_torch_openmp() {
     return rt;
   }
   if (pool != nullptr && *pool != '\0' && std::strcmp(pool, "openmp") != 0) {
-    std::string shown(pool);  // info() is JSON: no quotes, backslashes or controls
-    for (char& c : shown)
-      if (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20) c = '?';
-    rt.why = "PORTABLE_GEMM_POOL=" + shown + " is neither 'own' nor 'openmp'";
+    rt.why = json_safe("PORTABLE_GEMM_POOL=" + std::string(pool) + " is neither 'own' nor 'openmp'");
     return rt;
   }
   if (const char* n = std::getenv("PORTABLE_GEMM_NUM_THREADS"); n != nullptr && *n != '\0') {
@@ -72,16 +85,25 @@ inline TorchOpenMp find_torch_openmp() {
     return rt;
   }
 #if PG_TORCH_OPENMP_LOOKUP
-  // libtorch_cpu's path from one of its functions, then its handle (already loaded): dlsym
-  // on it searches libtorch_cpu and the libraries it needs, so this finds the runtime torch
-  // itself calls, whatever else the process has loaded.
-  Dl_info self{};
-  void* anchor = reinterpret_cast<void*>(&aoti_torch_empty_strided);
-  if (dladdr(anchor, &self) == 0 || self.dli_fname == nullptr) {
-    rt.why = "libtorch_cpu not found among the loaded libraries";
-    return rt;
+  // The runtime torch's own calls bind to, searched in the dynamic linker's order: the
+  // global scope first (the program, LD_PRELOAD, libraries loaded RTLD_GLOBAL: where e.g. a
+  // preloaded libiomp5 takes over), then libtorch_cpu and the libraries it needs (reached
+  // through its handle, found from one of its functions). All five entry points are then
+  // taken from that one library.
+  void* h = nullptr;
+  Dl_info lib{};
+  if (void* global = dlsym(RTLD_DEFAULT, "GOMP_parallel");
+      global != nullptr && dladdr(global, &lib) != 0 && lib.dli_fname != nullptr && *lib.dli_fname)
+    h = dlopen(lib.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (h == nullptr) {
+    Dl_info self{};
+    void* anchor = reinterpret_cast<void*>(&aoti_torch_empty_strided);
+    if (dladdr(anchor, &self) == 0 || self.dli_fname == nullptr) {
+      rt.why = "libtorch_cpu not found among the loaded libraries";
+      return rt;
+    }
+    h = dlopen(self.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
   }
-  void* h = dlopen(self.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
   if (h == nullptr) {
     rt.why = "libtorch_cpu could not be reopened";
     return rt;
@@ -104,8 +126,8 @@ inline TorchOpenMp find_torch_openmp() {
                          : "?";
   const char* base = std::strrchr(file, '/');
   found.name = "torch_openmp";
-  found.why = std::string("GOMP_parallel of ") + (base ? base + 1 : file) +
-              ", the OpenMP runtime libtorch_cpu uses";
+  found.why = json_safe(std::string("GOMP_parallel of ") + (base ? base + 1 : file) +
+                        ", the OpenMP runtime torch's own calls use");
   return found;
 #else
   rt.why = "no OpenMP lookup on this platform";
