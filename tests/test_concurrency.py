@@ -274,13 +274,27 @@ def sized(K):
     a = torch.randn(1, K).expand(M, K)            # stride-0 rows / columns: no memory
     b = torch.randn(K, 1).expand(K, N)
     return a, b
+def weights(K):
+    w = torch.randn(1, K).to(torch.bfloat16).expand(N, K)
+    return pg.quantize_weight(w, bits=4, group_size=128)
+# Every call must outlast the exit by far: a call that returns during finalization ends its
+# thread through pthread_exit on CPython < 3.14, which aborts through torch's GIL guard
+# (pytorch/pytorch#38228, the LATE_RETURN cases below), whatever the pool. So K is sized for
+# the fastest job to take ~20 s: each is timed on 256 rows after a warm-up call (the first
+# call also starts the threads), and mixed_linear takes fp32 x, whose exact fp32 path runs
+# about as fast as the fp32 gemm (with bf16 x, AMX ran it ~20x faster and it returned early).
+def timed(f):
+    f()
+    t = time.monotonic(); f(); return time.monotonic() - t
 a, b = sized(8192)
-t = time.monotonic(); pg.gemm(a[:256], b); per_k = (time.monotonic() - t) * M / 256 / 8192
-K = max(8192, int(20.0 / per_k) // 128 * 128)     # one gemm call ~20 s or more
+q, s = weights(8192)
+x = torch.randn(1, 8192).expand(M, 8192)
+per_k = min(timed(lambda: pg.gemm(a[:256], b)),
+            timed(lambda: pg.mixed_linear(x[:256], q, s, bits=4, group_size=128))) * M / 256 / 8192
+K = max(8192, int(20.0 / per_k) // 128 * 128)     # the fastest call ~20 s or more
 a, b = sized(K)
-w = torch.randn(1, K).to(torch.bfloat16).expand(N, K)
-q, s = pg.quantize_weight(w, bits=4, group_size=128)
-x = torch.randn(1, K).to(torch.bfloat16).expand(M, K)
+q, s = weights(K)
+x = torch.randn(1, K).expand(M, K)
 an = np.broadcast_to(np.random.randn(1, K).astype(np.float32), (M, K))
 bn = np.broadcast_to(np.random.randn(K, 1).astype(np.float32), (K, N))
 jobs = [lambda: pg.gemm(a, b, activation="gelu"), lambda: pg.gemm(a, b),
