@@ -1,7 +1,8 @@
 """Concurrency: many Python threads calling every op at once give bit-for-bit the results of
 sequential calls (CPU through torch, CPU through the DLPack door with the library's own pool,
-CUDA with one stream per thread when a GPU is there); the 2.9 target's own thread pool
-survives fork() (also while another thread is inside a kernel); the interpreter shuts down
+CUDA with one stream per thread when a GPU is there); the 2.9 target's CPU threading, on
+torch's OpenMP runtime and on the library's own pool, survives fork() (also while another
+thread is inside a kernel) and shares OpenMP's threads with torch; the interpreter shuts down
 cleanly (exit 0, bounded time) with daemon threads still inside the ops, and a daemon
 thread that returns from the DLPack door during finalization does not abort the process.
 
@@ -359,7 +360,8 @@ sys.exit(0)
 """
 
 
-# Target 2.9 runs CPU ops on the library's own pool, sized after torch.get_num_threads():
+# Target 2.9 on the library's own pool (PORTABLE_GEMM_POOL=own, or PORTABLE_GEMM_NUM_THREADS
+# set; torch's OpenMP runtime otherwise, see ONE_POOL) sizes it after torch.get_num_threads():
 # the size in effect (portable_gemm_set_pool_threads(0) reports it) and the native threads
 # of the process (the workers of the largest size so far) show it. Inputs are made first
 # (torch's own pool stays out of it: torch runs at one thread and nothing of it in parallel

@@ -1,5 +1,6 @@
 // The library's own thread pool, used by callers that have no torch parallel_for to
-// lend (old torch targets, the DLPack module).
+// lend: the DLPack module, and target 2.9 where torch's OpenMP runtime is not at hand
+// (src/torch/compat/torch_openmp.h says when).
 //
 // Three situations shape this file:
 //  * fork(): a child inherits the pool's memory but not its threads. A pthread_atfork
