@@ -48,8 +48,7 @@ struct TorchOpenMp {
   int (*thread_num)() = nullptr;
   int (*max_threads)() = nullptr;  // torch.get_num_threads() under OpenMP
   int (*in_parallel)() = nullptr;
-  std::string name;  // "threading" of info(): torch_openmp or portable_gemm_pool
-  std::string why;   // "threading_why": which runtime, or why not
+  std::string why;  // info()'s "threading_why": which runtime, or why not
 };
 
 // Set in a child process after fork() (see the top of the file).
@@ -70,7 +69,6 @@ inline std::string json_safe(std::string s) {
 
 inline TorchOpenMp find_torch_openmp() {
   TorchOpenMp rt;
-  rt.name = "portable_gemm_pool";
   const char* pool = std::getenv("PORTABLE_GEMM_POOL");
   if (pool != nullptr && std::strcmp(pool, "own") == 0) {
     rt.why = "PORTABLE_GEMM_POOL=own";
@@ -125,7 +123,6 @@ inline TorchOpenMp find_torch_openmp() {
                          ? where.dli_fname
                          : "?";
   const char* base = std::strrchr(file, '/');
-  found.name = "torch_openmp";
   found.why = json_safe(std::string("GOMP_parallel of ") + (base ? base + 1 : file) +
                         ", the OpenMP runtime torch's own calls use");
   return found;
