@@ -122,6 +122,18 @@ def check_info(pg, torch, expect_target: str, allow_no_cuda: bool) -> dict:
             problems.append(f"libraries[{k!r}] = {p} does not exist")
     if "cpu" not in libs:
         problems.append(f"no 'cpu' library in info()['libraries']: {libs}")
+    # CPU threading: torch's pool from 2.10; 2.9 on torch's own OpenMP runtime wherever torch
+    # runs on OpenMP (its Linux wheels do), never silently on the fallback pool.
+    feats = info.get("features") or {}
+    if expect_target == "2.9":
+        own = os.environ.get("PORTABLE_GEMM_POOL") == "own" or os.environ.get("PORTABLE_GEMM_NUM_THREADS")
+        want = ("torch_openmp" if "parallel backend: OpenMP" in torch.__config__.parallel_info() and not own
+                else "portable_gemm_pool")
+    else:
+        want = "torch::stable::parallel_for"
+    if feats.get("threading") != want or not feats.get("threading_why"):
+        problems.append(f"CPU threading {feats.get('threading')!r} ({feats.get('threading_why')}), "
+                        f"expected {want!r}")
     cuda = info.get("cuda") or {}
     if torch.version.cuda is not None and not cuda.get("loaded"):
         msg = f"torch is a CUDA {torch.version.cuda} build but the CUDA binding did not load: {cuda.get('reason')}"
