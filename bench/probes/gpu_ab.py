@@ -59,6 +59,22 @@ MID_CASES = [
 ] + [(8192, 8192, 4, 0, m, "bf16") for m in (17, 32, 64)] + [
     (8192, 8192, 4, 128, 17, "bf16"), (8192, 8192, 4, 128, 32, "f16"), (8192, 8192, 4, 128, 16, "bf16"),
 ]
+# --cases wg: M = 9..32 on the shapes of issue 7 (the sm_90a wgmma GEMV against the mma.sync
+# one), the schemes that take different code paths (chunk scales, per channel, folded groups,
+# int8, f16 x), plus M <= 8 controls that no switch touches.
+WG_CASES = [
+    (k, n, 4, 128, m, "bf16")
+    for (k, n) in [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 12288), (4096, 22016),
+                   (11008, 4096), (4096, 4096)]
+    for m in (9, 16)
+] + [
+    (8192, 8192, 4, 0, 16, "bf16"), (8192, 8192, 4, 32, 16, "bf16"), (8192, 8192, 4, 64, 16, "bf16"),
+    (8192, 8192, 4, 128, 16, "f16"), (8192, 8192, 8, 0, 16, "bf16"), (8192, 8192, 8, 128, 16, "bf16"),
+    (28672, 8192, 8, 0, 16, "bf16"), (28672, 8192, 4, 0, 16, "bf16"), (8192, 8192, 4, 128, 12, "bf16"),
+    (8192, 8192, 4, 128, 24, "bf16"), (8192, 8192, 4, 128, 32, "bf16"), (28672, 8192, 4, 128, 32, "bf16"),
+    (8192, 8192, 8, 0, 32, "bf16"),
+    (8192, 8192, 4, 128, 1, "bf16"), (8192, 8192, 4, 128, 8, "bf16"), (28672, 8192, 4, 128, 8, "bf16"),
+]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -133,15 +149,15 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid"], default="small",
-                   help="small: M <= 16 (the default list); mid: 16 < M <= 64")
+    r.add_argument("--cases", choices=["small", "mid", "wg"], default="small",
+                   help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
     c.add_argument("b")
     args = ap.parse_args()
     if args.cmd == "run":
-        run(args.tag, args.out, MID_CASES if args.cases == "mid" else CASES)
+        run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES}[args.cases])
     else:
         compare(args.out, args.a, args.b)
     return 0
