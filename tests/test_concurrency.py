@@ -220,6 +220,13 @@ def fork_and_check(label, retries=0):
         faulthandler.dump_traceback_later(45)  # a hang prints the child's stacks before the kill
         try:
             ok = same(work(), ref) and same(work(), ref)
+            # info() says what ran them: the own pool in any child (torch's OpenMP runtime is
+            # left behind, with the reason, where the parent was on it).
+            now = pg.info()["features"]
+            if now["threading"] != "portable_gemm_pool" or (
+                    threading_feature == "torch_openmp" and "forked" not in now["threading_why"]):
+                print("child info:", now["threading"], "-", now["threading_why"], flush=True)
+                os._exit(5)
             os._exit(0 if ok else 3)
         except BaseException:
             import traceback; traceback.print_exc()

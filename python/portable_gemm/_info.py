@@ -10,6 +10,10 @@ def info() -> dict:
     or rejected, the features in force, CUDA status, library paths and the build manifest."""
     from . import _state
 
+    features = dict(_state.features)
+    if _state.cpu_binding is not None:  # what runs the CPU ops now (changes in a forked child)
+        now = _state.cpu_binding.current_info()
+        features.update({k: now[k] for k in ("threading", "threading_why") if k in now})
     return {
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
@@ -17,7 +21,7 @@ def info() -> dict:
         "target": _state.target,
         "candidates": [{"target": c.target, "status": c.status, "reason": c.reason}
                        for c in _state.candidates],
-        "features": dict(_state.features),
+        "features": features,
         "cuda": {"loaded": _state.cuda_loaded, "reason": _state.cuda_reason},
         "libraries": dict(_state.libraries),
         "manifest": _state.manifest,

@@ -40,6 +40,7 @@ class LoadState:
     cuda_loaded: bool = False
     cuda_reason: str = ""
     candidates: list[Candidate] = field(default_factory=list)
+    cpu_binding: object = None  # the loaded CPU _Binding: info() asks it for the threading now
 
 
 def read_manifest(lib_dir: Path = LIB_DIR) -> dict:
@@ -124,7 +125,12 @@ class _Binding:
         self._register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
         self._register.restype = ctypes.c_int
         info_fn.restype = ctypes.c_char_p
-        self.info = json.loads(info_fn().decode())
+        self._info_fn = info_fn
+        self.info = self.current_info()
+
+    def current_info(self) -> dict:
+        """The binding's info as of now (its CPU threading can change in a forked child)."""
+        return json.loads(self._info_fn().decode())
 
     def register(self, namespace: str) -> None:
         err = ctypes.create_string_buffer(1024)
@@ -211,6 +217,7 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
 
     state.libraries["kernels"] = str(kernels)
     state.libraries["cpu"] = str(binding.path)
+    state.cpu_binding = binding
     target_features = next((t["features"] for t in manifest.get("matrix_targets", [])
                             if t["version"] == state.target), {})
     state.features = {**target_features, "threading": binding.info.get("threading"),

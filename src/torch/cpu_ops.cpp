@@ -1,4 +1,7 @@
 // CPU binding, compiled once per torch target. Defines the schemas and the CPU kernels.
+#include <cstring>
+#include <string>
+
 #include "compat/threading.h"
 #include "ops_common.h"
 
@@ -29,12 +32,20 @@ PG_BINDING_EXPORT int portable_gemm_register(const char* ns, char* err, size_t e
   return register_namespace<CpuBackend>(ns, /*define=*/true, err, errlen);
 }
 
+// The threading fields say what runs our CPU ops when asked: target 2.9 leaves torch's
+// OpenMP runtime in a child forked after the import (compat/torch_openmp.h).
 PG_BINDING_EXPORT const char* portable_gemm_binding_info() {
-  static const std::string info = std::string("{\"target\": \"") + PG_TARGET_VERSION +
-                                  "\", \"device\": \"cpu\", \"threading\": \"" +
-                                  portable_gemm::compat::cpu_executor().name +
-                                  "\", \"threading_why\": \"" +
-                                  portable_gemm::compat::cpu_executor_why() +
-                                  "\", \"cpu_isa\": \"" + portable_gemm::cpu::isa() + "\"}";
+  namespace compat = portable_gemm::compat;
+  auto make = [] {
+    return std::string("{\"target\": \"") + PG_TARGET_VERSION +
+           "\", \"device\": \"cpu\", \"threading\": \"" + compat::cpu_executor_name() +
+           "\", \"threading_why\": \"" + compat::cpu_executor_why() +
+           "\", \"cpu_isa\": \"" + portable_gemm::cpu::isa() + "\"}";
+  };
+  static const std::string info = make();
+  if (std::strcmp(compat::cpu_executor_name(), compat::cpu_executor().name) != 0) {
+    static const std::string in_child = make();
+    return in_child.c_str();
+  }
   return info.c_str();
 }

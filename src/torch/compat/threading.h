@@ -27,10 +27,19 @@ inline const Executor& cpu_executor() {
   }();
   return exec;
 }
+inline const char* cpu_executor_name() { return cpu_executor().name; }
 inline const char* cpu_executor_why() { return "the stable parallel_for of torch >= 2.10"; }
 #else
 inline const Executor& cpu_executor() { return torch_openmp_or_own_pool(); }
-inline const char* cpu_executor_why() { return torch_openmp().why.c_str(); }
+// What runs our CPU ops now: in a child forked after the import, the own pool.
+inline const char* cpu_executor_name() {
+  return torch_openmp_left_by_fork() ? builtin_executor().name : cpu_executor().name;
+}
+inline const char* cpu_executor_why() {
+  return torch_openmp_left_by_fork()
+             ? "this process was forked after the import and GNU OpenMP is not fork-safe"
+             : torch_openmp().why.c_str();
+}
 #endif
 
 }  // namespace portable_gemm::compat

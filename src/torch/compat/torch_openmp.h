@@ -13,7 +13,7 @@
 //    built without OpenMP);
 //  * in a child forked after this was set up (at import: info() builds it): GNU OpenMP is
 //    not fork-safe (torch's own ops hang there too once the parent has used OpenMP), the own
-//    pool is. A child forked before the import cannot be told apart; there our ops fare as
+//    pool is. info() asked in the child says so (threading.h: cpu_executor_name/why). A child forked before the import cannot be told apart; there our ops fare as
 //    torch's own do (they hang where the parent ran an OpenMP team and the child asks for
 //    more than one thread).
 // OpenMP's count of threads is per thread: torch sets it on each thread at that thread's
@@ -196,6 +196,12 @@ inline int torch_openmp_num_threads(void*) {
     return pool.num_threads(pool.self);
   }
   return rt.max_threads();
+}
+
+// True in a child forked after the executor was set up on torch's OpenMP: there our ops run
+// on the own pool (torch_openmp_parallel_for), and info() says so.
+inline bool torch_openmp_left_by_fork() {
+  return torch_openmp().parallel != nullptr && forked_child().load(std::memory_order_relaxed);
 }
 
 // The executor of target 2.9, and the reason for it.
