@@ -13,9 +13,10 @@
 //    built without OpenMP);
 //  * in a child forked after this was set up (at import: info() builds it): GNU OpenMP is
 //    not fork-safe (torch's own ops hang there too once the parent has used OpenMP), the own
-//    pool is. info() asked in the child says so (threading.h: cpu_executor_name/why). A child forked before the import cannot be told apart; there our ops fare as
-//    torch's own do (they hang where the parent ran an OpenMP team and the child asks for
-//    more than one thread).
+//    pool is; info() asked in the child says so (threading.h, cpu_executor_name / _why).
+//    A child forked before the import cannot be told apart; there our ops fare as torch's
+//    own do (they hang where the parent ran an OpenMP team and the child asks for more than
+//    one thread).
 // OpenMP's count of threads is per thread: torch sets it on each thread at that thread's
 // first parallel op (at::parallel_for's lazy init). The Python wrappers call
 // torch.get_num_threads() once on each thread for the same effect (ops.py).
