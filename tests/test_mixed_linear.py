@@ -235,15 +235,17 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group,k", [
     (4, 128, 2048), (4, None, 8320), (4, 32, 8320), (8, None, 2048), (8, 16, 1024),
+    (8, 64, 2048),
 ], ids=lambda v: str(v))
 def test_mixed_linear_sliced_m(device, bits, group, k):
-    # 16 < M <= 32 with the CUDA tensor-core GEMV's preconditions runs that GEMV over x in
-    # slices of 16 rows, one launch (bench/GPU_NOTES.md, run 47): M on both sides of the
-    # slice edge and of the limit (33 and 40 take the many-row path), half chunks (K = 2048) and
-    # whole ones (int4 K = 8320), groups that scale chunk sums and groups folded into the
-    # weights. N = 72: two blocks of 32 rows and an 8-row tail, which the CUDA path runs on
-    # the SIMT GEMV slice by slice; the tail is checked on its own. Bias and activation
-    # (the epilogue maps each slice's rows).
+    # 16 < M <= 32 with the CUDA tensor-core GEMV's preconditions runs int4 on that GEMV over
+    # x in slices of 16 rows, one launch (bench/GPU_NOTES.md, run 47), and int8 in one pass
+    # with four 8-row x tiles over 16-row weight blocks (run 54): M on both sides of the
+    # slice edge and of the limit (33 and 40 take the many-row path), half chunks (K = 2048)
+    # and whole ones (int4 K = 8320), groups that scale chunk sums (int4 g128, int8 g64) and
+    # groups folded into the weights. N = 72: whole blocks of 32 (int8: 16) rows and an 8-row
+    # tail, which the CUDA path runs on the SIMT GEMV slice by slice; the tail is checked on
+    # its own. Bias and activation (the epilogue maps each slice's or tile's rows).
     q, s = pg.quantize_weight(rand((72, k), torch.float32, device), bits=bits, group_size=group)
     check_m_list(device, q, s, bits, group, (17, 24, 31, 32, 33, 40), activation="gelu",
                  parts={"blocks": slice(0, 64), "tail": slice(64, 72)})

@@ -25,7 +25,8 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         pg.gemm(a.T.contiguous().T, b.T.contiguous().T)
         n_calls += 2
 for bits, group in ((8, None), (8, 32), (4, None), (4, 128)):
-    # 24: the small-M GEMV in slices of 16 rows of x; 48, 100, 300: the sm_90 GEMM's tiles
+    # 24: the small-M GEMV in slices of 16 rows of x (int8: in one pass with four x tiles);
+    # 48, 100, 300: the sm_90 GEMM's tiles
     # 64, 128 and 256 rows of x wide (stream-K below 300)
     for m in (1, 5, 16, 24) if INITCHECK else (1, 5, 16, 24, 48, 100, 300):
         w = torch.randn(72, 256, device=dev, dtype=torch.bfloat16)

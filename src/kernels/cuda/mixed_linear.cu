@@ -4,7 +4,8 @@
 //                   (mma.sync, weight dequantised in registers into the A fragment) over
 //                   whole blocks of 32 rows; the last N % 32 rows on the SIMT GEMV.
 //   16 < M <= GEMV_SLICED_MAX_M, same conditions: the same GEMV over x in slices of 16
-//                   rows, one launch (see gemv_tc_kernel).
+//                   rows, one launch (see gemv_tc_kernel); int8 in one pass with four x
+//                   tiles instead (tcv_four).
 //   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
 //   more rows, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the
 //                   fly (the torch binding sends these to the sm_90 CUTLASS GEMM or to
@@ -372,7 +373,8 @@ Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
 // the 8 partial results are summed through shared memory. M > 16 runs in slices of 16 rows
 // of x, one block per (32 weight rows, slice), the slices of a row block next to each other
 // in launch order: they run at the same time on neighbouring SMs, and all but the first to
-// ask for a weight line find it in L2, so DRAM reads the weight about once.
+// ask for a weight line find it in L2, so DRAM reads the weight about once. int8 at M > 16
+// runs all rows of x in one pass instead (MT = 4 x tiles over RT = 1, see tcv_four).
 // Scales: per channel at the end; groups that cover whole chunks on the fp32 partial of
 // each chunk (exact); smaller groups (a multiple of the piece) folded into the 16-bit
 // weight before the MMA (q * s rounded once to f16/bf16). int4 without folding (OFFSET)
@@ -385,6 +387,10 @@ constexpr int THREADS = 256;
 constexpr int KW = THREADS / 32;  // warps per block, splitting K
 constexpr int RT = 2;             // 16-row weight tiles per warp
 constexpr int ROWS = 16 * RT;     // weight rows (outputs) per block
+// int8 at M = 17..32: four 8-row x tiles in one pass over one 16-row weight tile per warp
+// (tcv_four), instead of two slices of 16 rows of x (two x tiles and two weight tiles).
+constexpr int FOUR_RT = 1;
+constexpr int FOUR_ROWS = 16 * FOUR_RT;
 }  // namespace tcv
 
 // k per lane per chunk (LK): one 16-byte piece of each weight row, or with HALF (int4 at
@@ -406,6 +412,17 @@ struct TcvCfg {
 constexpr int64_t TCV_HALF_MAX_K = 8192;
 __host__ __device__ constexpr bool tcv_half(int64_t m, int64_t k) {
   return m > 8 && k <= TCV_HALF_MAX_K;
+}
+
+// int8 at M = 17..32 (16 < M, the sliced range) takes one pass with four x tiles (MT = 4)
+// over one 16-row weight tile per warp: each weight is dequantised once for all rows of x,
+// where two slices of 16 rows dequantised it twice. On the H200 (bench/GPU_NOTES.md, run 54)
+// that took 0.85-0.98x the time of the slices on every shape of issue 7 (outputs bit-equal:
+// the same MMAs in the same order). x is loaded per chunk (a prefetch stage would spill).
+// int4 stays on the slices: its B fragments for four tiles take 64 registers.
+template <int BITS>
+constexpr bool tcv_four(int64_t m) {
+  return BITS == 8 && m > 16;
 }
 
 struct TcvParams {
@@ -546,17 +563,19 @@ __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
 
 // Preconditions (gemv_tc_ok, launch_gemv_tc): p.N % ROWS == 0, K % CHUNK == 0, S the
 // scales' element type.
-template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF, bool SLICED = false>
+// RT_: 16-row weight tiles per warp (a block's rows are 16 RT_).
+template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF, bool SLICED = false,
+          int RT_ = tcv::RT>
 __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   using Cfg = TcvCfg<BITS, HALF>;
   constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU, WW = Cfg::WW;
-  constexpr int RT = tcv::RT, KW = tcv::KW, NACC = RT * MT * 4;
+  constexpr int RT = RT_, KW = tcv::KW, NACC = RT * MT * 4;
   __shared__ float red[KW][NACC][32];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   // SLICED (M > 16): block b multiplies rows r0 .. r0 + 15 of x; otherwise all M <= 16 rows
   // (a variant of its own: at the register cap, the slice's offset cost spills).
-  const int64_t n0 = static_cast<int64_t>(SLICED ? blockIdx.x / p.slices : blockIdx.x) * tcv::ROWS;
+  const int64_t n0 = static_cast<int64_t>(SLICED ? blockIdx.x / p.slices : blockIdx.x) * (16 * RT);
   const int r0 = SLICED ? static_cast<int>(blockIdx.x % p.slices) * 16 : 0;
   const int64_t nchunks = p.K / CHUNK;
   const T* xg = static_cast<const T*>(p.x);
@@ -587,7 +606,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // x is prefetched one chunk ahead with the weights, except for whole int4 chunks at M > 8,
   // where the two register stages of x (64 registers) would spill: there x is loaded per
   // chunk.
-  constexpr bool XPF = !(BITS == 4 && MT == 2 && !HALF);
+  constexpr bool XPF = MT < 4 && !(BITS == 4 && MT == 2 && !HALF);  // MT = 4: x per chunk too
   struct Stage {
     uint32_t w[RT][2][WW];
     uint32_t s[RT][2];  // raw scale bits (mode 1, 2)
@@ -828,7 +847,8 @@ void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t 
   }
 }
 
-// Launches gemv_tc_kernel over p.N rows (a multiple of tcv::ROWS) and p.slices slices of x.
+// Launches gemv_tc_kernel over p.N rows (a multiple of tcv::ROWS, or of tcv::FOUR_ROWS where
+// tcv_four) and p.slices slices of x.
 template <typename T, typename S, int BITS>
 Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
   const int64_t blocks = p.N / tcv::ROWS * p.slices;
@@ -836,13 +856,22 @@ Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
   const unsigned nb = static_cast<unsigned>(blocks);
   // int4 with whole-chunk scales (per channel or groups of >= 128): the offset form.
   const bool offset = BITS == 4 && p.mode != 2;
+  if constexpr (BITS == 8) {  // tcv_four: no int4 kernel with four x tiles is built
+    if (tcv_four<BITS>(p.M)) {
+      const int64_t four_blocks = p.N / tcv::FOUR_ROWS;
+      if (four_blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
+      gemv_tc_kernel<T, S, BITS, 4, false, false, false, tcv::FOUR_RT>
+          <<<static_cast<unsigned>(four_blocks), tcv::THREADS, 0, stream>>>(p);
+      return launch_status();
+    }
+  }
   if (p.M <= 8) {
     if (offset) gemv_tc_kernel<T, S, BITS, 1, BITS == 4, false><<<nb, tcv::THREADS, 0, stream>>>(p);
     else gemv_tc_kernel<T, S, BITS, 1, false, false><<<nb, tcv::THREADS, 0, stream>>>(p);
-  } else if (p.slices > 1) {
-    launch_gemv_tc2<T, S, BITS, true>(p, offset, nb, stream);
-  } else {
+  } else if (p.slices == 1) {
     launch_gemv_tc2<T, S, BITS, false>(p, offset, nb, stream);
+  } else if constexpr (BITS == 4) {  // int8 takes every M > 16 above (tcv_four)
+    launch_gemv_tc2<T, S, BITS, true>(p, offset, nb, stream);
   }
   return launch_status();
 }
@@ -964,11 +993,13 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.y_cs = a.y.col_stride;
   // Whole blocks of rows here; the last N % ROWS rows (if any) on the SIMT GEMV, so that
   // the kernel's loop carries no row bounds.
-  p.N = a.w.n / tcv::ROWS * tcv::ROWS;
+  const bool four = tcv_four<BITS>(a.x.rows);
+  const int64_t rows = four ? tcv::FOUR_ROWS : tcv::ROWS;
+  p.N = a.w.n / rows * rows;
   p.K = a.x.cols;
   p.M = static_cast<int>(a.x.rows);
   p.act = static_cast<int>(a.activation);
-  p.slices = static_cast<int>(ceil_div(a.x.rows, GEMV_MAX_M));
+  p.slices = four ? 1 : static_cast<int>(ceil_div(a.x.rows, GEMV_MAX_M));
   if (p.N > 0) {
     const Status st = a.x.dtype == DType::f16
                           ? launch_gemv_tc<__half, BITS>(p, a.w.scales_dtype, stream)
