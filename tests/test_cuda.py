@@ -200,6 +200,39 @@ def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k):
         assert cutlass and all(("StreamK" in name) == stream_k for name in cutlass), names
 
 
+# Which kernel takes a weight-only call, where two could (bench/GPU_NOTES.md, run 55): at
+# M = 17..32 the small-M GEMV unless the quantised weight has 48 MiB or more, where the
+# sm_90 GEMM was measured faster; M <= 16 always the GEMV. 4096 x 12288 int8 is 48 MiB
+# exactly, 8 rows fewer is under. The last case is many rows of a weight whose 16-bit copy
+# would exceed the binding's 512 MiB limit for dequantise + cuBLAS: on sm_90 it still takes
+# the fused GEMM, which needs no such copy. (M, K, N, bits, group, the sm_90 GEMM expected
+# on sm_90)
+ROUTE_CASES = [
+    (24, 4096, 12288, 8, None, True), (24, 4096, 12280, 8, None, False),
+    (17, 4096, 12288, 8, 128, True), (32, 11008, 4096, 8, None, False),
+    (32, 8192, 8192, 4, 128, False), (24, 16384, 8192, 4, 128, True),
+    (16, 16384, 8192, 4, 128, False), (64, 8192, 32776, 4, 128, True),
+]
+
+
+@pytest.mark.parametrize("m,k,n,bits,group,sm90", ROUTE_CASES, ids=lambda v: str(v))
+def test_mixed_linear_route_small_m_or_sm90(m, k, n, bits, group, sm90):
+    # Off sm_90 (or without the CUTLASS kernels) the same cases check the other paths.
+    w = rand((n, k), torch.bfloat16, "cuda")
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    del w
+    x = rand((m, k), torch.bfloat16, "cuda")
+    out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
+    cols = torch.randperm(n, device="cuda")[:1024]  # a float64 reference for 1024 outputs a row
+    ref = x.double() @ dequant_ref(q[cols], s[cols], bits, group).T
+    assert_close(out[:, cols], ref, torch.bfloat16)
+    if _is_sm90() and _sm90_gemm_built():
+        names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=bits, group_size=group))
+        took_sm90 = any("cutlass" in name for name in names)
+        took_gemv = any("gemv_tc" in name for name in names)
+        assert (took_sm90, took_gemv) == (sm90, not sm90 and m <= 32), names
+
+
 # Per-channel scales: on sm_90 the mixed-input kernel reads them as stored when they are in
 # x's dtype, contiguous and 16-byte aligned ([N] is then already the [1, N] it wants), and
 # transposes them into its workspace otherwise. Both with the stream-K scheduler (M = 64,

@@ -75,6 +75,27 @@ WG_CASES = [
     (8192, 8192, 8, 0, 32, "bf16"),
     (8192, 8192, 4, 128, 1, "bf16"), (8192, 8192, 4, 128, 8, "bf16"), (28672, 8192, 4, 128, 8, "bf16"),
 ]
+# --cases edge: M = 17..32, where the small-M GEMV (int4 in two slices, int8 with four x
+# tiles) meets the sm_90 mixed-input GEMM's 64-wide tile (run 55), plus M = 16 controls.
+EDGE_CASES = [
+    (k, n, bits, g, m, "bf16")
+    for (k, n) in [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (4096, 12288),
+                   (11008, 4096), (4096, 22016)]
+    for bits, g in [(4, 128), (8, 0), (8, 128)]
+    for m in (17, 24, 32)
+] + [(8192, 8192, 4, 128, 16, "bf16"), (8192, 8192, 8, 0, 16, "bf16")]
+# --cases edge2: shapes the M = 17..32 routing rule was not fitted on (run 55b), M = 24, plus
+# M = 17 and 32 on three of them.
+EDGE2_CASES = [
+    (k, n, bits, g, 24, "bf16")
+    for (k, n, schemes) in [
+        (4096, 14336, "4a 8c 8a"), (14336, 4096, "4a 8c"), (5120, 13824, "4a 8c 8a"),
+        (13824, 5120, "8c 8a"), (8192, 10240, "4a 8c 8a"), (8192, 57344, "4a 8c 8a"),
+        (16384, 16384, "4a 8a"), (8192, 8192, "4c"), (28672, 8192, "4c"), (5120, 5120, "8c"),
+        (2048, 8192, "8c"), (4096, 8192, "8c 8a")]
+    for bits, g in [{"4a": (4, 128), "4c": (4, 0), "8c": (8, 0), "8a": (8, 128)}[x] for x in schemes.split()]
+] + [(k, n, 8, 0, m, "bf16") for (k, n) in [(4096, 14336), (5120, 13824), (2048, 8192)] for m in (17, 32)] + [
+    (8192, 8192, 8, 0, 24, "f16"), (28672, 8192, 4, 128, 24, "f16")]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -149,15 +170,15 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid", "wg"], default="small",
-                   help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32")
+    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2"], default="small",
+                   help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
     c.add_argument("b")
     args = ap.parse_args()
     if args.cmd == "run":
-        run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES}[args.cases])
+        run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES}[args.cases])
     else:
         compare(args.out, args.a, args.b)
     return 0

@@ -184,6 +184,12 @@ PG_API Status bias_act_store(ConstMatrix src, int64_t n0, const void* bias, int6
 // shape. The workspace passed must be 256-byte aligned (null when the size is 0).
 PG_API int64_t mixed_linear_sm90_workspace(const MixedLinearArgs& args);
 PG_API Status mixed_linear_sm90(const MixedLinearArgs& args, void* workspace, void* stream);
+// True when these arguments are small-M rows (mixed_linear_small_m, M > 16) that the sm_90
+// fused GEMM above runs faster than the small-M kernels, as measured on the H200 (from 48
+// MiB of quantised weight on), and it applies (mixed_linear_sm90_workspace >= 0). Callers
+// that can give it a workspace (the torch binding) take it then; mixed_linear itself keeps
+// the small-M kernels.
+PG_API bool mixed_linear_sm90_preferred(const MixedLinearArgs& args);
 // cudaGetErrorString of the library's own runtime (static cudart).
 PG_API const char* error_string(int32_t code);
 // For callers without an allocator of their own (the DLPack door): device memory on

@@ -28,30 +28,37 @@ struct CudaBackend {
     launch(a, like, cuda::gemm);
   }
   // More rows of x than the small-M kernels take (f16 / bf16 x, M > 16, or more than the
-  // sliced tensor-core GEMV takes, cuda::mixed_linear_small_m): on sm_90 the
-  // library's fused CUTLASS mixed-input GEMM when it applies; otherwise dequantise the
-  // weight into a temporary, multiply with torch's own matmul (cuBLAS) and apply bias and
-  // activation while storing. The library's mma.sync GEMM reaches ~0.2x cuBLAS there
-  // (bench/GPU_NOTES.md, run 15); this costs one extra write + read of the weight in 16
-  // bits per call. Weights whose 16-bit copy would exceed kMaxTempBytes keep the library's
-  // GEMM: splitting them into row chunks was measured 7x slower (run 17: chunks of 4681
-  // rows gave cuBLAS an odd leading dimension).
+  // sliced tensor-core GEMV takes, cuda::mixed_linear_small_m), or small-M rows the sm_90
+  // GEMM runs faster (cuda::mixed_linear_sm90_preferred): on sm_90 the library's fused
+  // CUTLASS mixed-input GEMM when it applies; otherwise dequantise the weight into a
+  // temporary, multiply with torch's own matmul (cuBLAS) and apply bias and activation while
+  // storing. The library's mma.sync GEMM reaches ~0.2x cuBLAS there (bench/GPU_NOTES.md,
+  // run 15); the temporary costs one extra write + read of the weight in 16 bits per call.
+  // Weights whose 16-bit copy would exceed kMaxTempBytes keep the library's GEMM off sm_90:
+  // splitting them into row chunks was measured 7x slower (run 17: chunks of 4681 rows gave
+  // cuBLAS an odd leading dimension).
   static constexpr int64_t kMaxTempBytes = int64_t(512) << 20;
   static void run(const MixedLinearArgs& a, const Tensor& x, const char*) {
     const bool half = a.x.dtype == DType::f16 || a.x.dtype == DType::bf16;
     const int64_t N = a.w.n, K = a.w.k;
-    if (cuda::mixed_linear_small_m(a) || !half || K == 0 || N > kMaxTempBytes / (2 * K)) {
+    // x's device is current from here on: the choices below read the current device's facts
+    const int32_t device = x.get_device_index();
+    torch::stable::accelerator::DeviceGuard guard(device);
+    const bool small_m = cuda::mixed_linear_small_m(a) && !cuda::mixed_linear_sm90_preferred(a);
+    if (small_m || !half || K == 0) {
       launch(a, x, cuda::mixed_linear);
       return;
     }
-    const int32_t device = x.get_device_index();
-    torch::stable::accelerator::DeviceGuard guard(device);
-    void* stream = compat::current_cuda_stream(device);
     // sm_90: the fused mixed-input kernel reads the quantised weight as stored; it needs at
     // most a small workspace (the scales transposed unless they are read as stored, the
     // stream-K partial sums). It beat dequantise + GEMM at every M measured
     // (bench/GPU_NOTES.md, run 20).
     const int64_t ws = cuda::mixed_linear_sm90_workspace(a);
+    if (ws < 0 && N > kMaxTempBytes / (2 * K)) {
+      launch(a, x, cuda::mixed_linear);
+      return;
+    }
+    void* stream = compat::current_cuda_stream(device);
     if (ws == 0) {  // per-channel scales read as stored, no stream-K: no workspace
       PG_CUDA_CHECK(cuda::mixed_linear_sm90(a, nullptr, stream).code);
       return;

@@ -136,6 +136,21 @@ int64_t mixed_linear_sm90_workspace(const MixedLinearArgs& args) {
 #endif
 }
 
+bool mixed_linear_sm90_preferred(const MixedLinearArgs& args) {
+  // Rows 17..32 are the ones both paths take. The GEMM pays a fixed ~10 us a call (its
+  // launches, a 64-row tile mostly padding, stream-K's fix-up, the pipeline's fill) and then
+  // streams the weight faster than the GEMV, which dequantises every weight for 32 rows of x
+  // (int4 twice, in two slices). Over 97 cases of 24 shapes on the H200 (bench/GPU_NOTES.md,
+  // runs 55a-b) the GEMM won from about 48 MiB of quantised weight on, for int4 and int8
+  // alike: taking it from there cost 0.3 % more time in all than the faster path of each
+  // case, against 14 % for the GEMV everywhere.
+  constexpr int64_t kMinWeightBytes = int64_t(48) << 20;
+  if (args.x.rows <= 16 || !mixed_linear_small_m(args)) return false;
+  const int64_t row_bytes = args.w.k * args.w.bits / 8;
+  if (row_bytes <= 0 || args.w.n < detail::ceil_div(kMinWeightBytes, row_bytes)) return false;
+  return mixed_linear_sm90_workspace(args) >= 0;
+}
+
 Status mixed_linear_sm90(const MixedLinearArgs& args, void* workspace, void* stream_ptr) {
 #if defined(PG_WITH_SM90_GEMM)
   detail::Sm90MixedProblem p;

@@ -20,6 +20,7 @@ Status bias_act_store(ConstMatrix, int64_t, const void*, int64_t, Activation, Ma
   return unavailable();
 }
 int64_t mixed_linear_sm90_workspace(const MixedLinearArgs&) { return -1; }
+bool mixed_linear_sm90_preferred(const MixedLinearArgs&) { return false; }
 Status mixed_linear_sm90(const MixedLinearArgs&, void*, void*) { return unavailable(); }
 Status device_alloc(void**, size_t, int32_t) { return unavailable(); }
 void device_free(void*, int32_t) {}
