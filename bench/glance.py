@@ -24,7 +24,7 @@ GPU_JSON, CPU_JSON = RESULTS / "gpu_bench_final.json", RESULTS / "cpu_bench_zen5
 BUCKETS = [
     (1, 8, "tensor-core GEMV, 1 x tile", "nibble block / tile path"),
     (9, 16, "the same, 2 x tiles", "tile path"),
-    (17, 32, "the same, over slices of 16 rows", "tile path"),
+    (17, 32, "GEMV (int4: 2 slices of 16 rows, int8: 4 x tiles); from 48 MiB of weight, CUTLASS 64-wide", "tile path"),
     (33, 64, "CUTLASS mixed-input, 64-wide tile", "GEMM (int4) / tile path (int8)"),
     (65, 128, "the same, 128-wide", "vdpbf16ps GEMM"),
     (129, 256, "the same, 128- or 256-wide", "vdpbf16ps GEMM"),

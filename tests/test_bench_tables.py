@@ -110,8 +110,10 @@ def test_gpu_goals_follow_the_numbers(benches):
         assert met(cells) == (worst >= goal)
         assert cells[1].startswith(f"x{worst:.2f}-")
         if not met(cells):
-            # the bound names the size-matched read ceiling measured in the same run
-            assert f"{rs[0]['read_ceiling_TBps']:.2f} TB/s" in cells[3]
+            # the bound names the size-matched read ceiling measured in the same run for the
+            # worst row (each row's weight bytes, and so its ceiling, are its own)
+            slowest = min(rs, key=lambda r: r["speedup_vs_bf16"])
+            assert f"{slowest['read_ceiling_TBps']:.2f} TB/s" in cells[3]
     big = [r["speedup_vs_bf16"] for r in wo if r["M"] >= 1024]
     assert met(rows["weight-only M >= 1024 >= 0.8x bf16 F.linear"]) == (min(big) >= 0.8)
     flat = []

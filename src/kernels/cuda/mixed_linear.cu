@@ -10,7 +10,9 @@
 //   more rows, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the
 //                   fly (the torch binding sends these to the sm_90 CUTLASS GEMM or to
 //                   dequantize_rows + torch's matmul instead, see src/torch/cuda_ops.cpp and
-//                   mixed_linear_small_m; the DLPack door runs this one).
+//                   mixed_linear_small_m; the DLPack door runs this one). On sm_90 the
+//                   binding also sends it M = 17..32 from 48 MiB of weight
+//                   (mixed_linear_sm90_preferred).
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
 
