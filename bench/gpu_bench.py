@@ -45,6 +45,14 @@ WARMUP_S = 0.05
 SETTLE_S = 0.25
 
 
+def built_from() -> str:
+    """The commit the results come from: PG_COMMIT where set, else the one the installed
+    wheel records in its manifest ('-dirty' when tracked files differed from it)."""
+    from portable_gemm._info import source_commit
+
+    return os.environ.get("PG_COMMIT") or source_commit(pg.info()["manifest"]) or "unknown"
+
+
 def warm_up(run, seconds: float = WARMUP_S) -> None:
     """Calls run(i) for `seconds` of wall time (at least twice), waiting for each: module
     loading, caches and clocks are in their steady state before anything is timed."""
@@ -564,7 +572,7 @@ def main() -> int:
         tg = compare_targets(args.compare_target, args.target_rounds)
         tg["torch"] = torch.__version__
         tg["note"] = (f"{torch.cuda.get_device_name()}, {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}, "
-                      f"commit {os.environ.get('PG_COMMIT', 'unknown')}")
+                      f"commit {built_from()}")
         Path(args.targets_only).write_text(json.dumps(tg, indent=1))
         print("  " + ", ".join(f"{k} {v:.3f}" for k, v in tg["ratios"].items()))
         return 0
@@ -575,7 +583,7 @@ def main() -> int:
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "target": info["target"], "stream_api": info["features"].get("stream_api"),
-            "commit": os.environ.get("PG_COMMIT", "unknown")}
+            "commit": built_from()}
     print("gpu_bench:", json.dumps(meta))
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, cuBLAS bf16 8192^3 {ceil['cublas_bf16_8192_TFLOPs']:.0f} TFLOP/s")

@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import dequant_ref, rand, run_python
+from conftest import REPO, dequant_ref, rand, run_python
 from test_bad_input import ALL as BAD_INPUTS
 from test_faults import (INSTALLED, _cpu_bindings, _manifest, _targets_newest_first, _write_manifest,
                          all_reports, copy_package, script)
@@ -419,3 +419,31 @@ def test_kernel_library_name_from_manifest(loader_cases):
     rep = reports[0]
     assert rep["ok"] and rep["gemm"] and rep["target"] == _newest(), rep
     assert rep["libraries"]["kernels"].endswith(os.sep + "libmy_kernels.so"), rep["libraries"]
+
+
+def test_source_commit_from_manifest():
+    from portable_gemm._info import source_commit
+
+    assert source_commit({}) is None
+    assert source_commit({"source": None}) is None
+    assert source_commit({"source": {"commit": "9ede825", "dirty": False}}) == "9ede825"
+    assert source_commit({"source": {"commit": "9ede825", "dirty": True}}) == "9ede825-dirty"
+
+
+def test_installed_manifest_records_its_source():
+    # The wheel says which commit built it (bench results quote it); a CI run builds the
+    # wheel from the very checkout it tests, so there the commit is this checkout's HEAD.
+    manifest = pg.info()["manifest"]
+    assert "source" in manifest, sorted(manifest)
+    src = manifest["source"]
+    if src is None:
+        assert not (REPO / ".git").exists() or os.environ.get("CI") != "true", "a CI build from git recorded no commit"
+        return
+    assert set(src) == {"commit", "dirty"} and isinstance(src["dirty"], bool), src
+    assert len(src["commit"]) >= 7 and all(c in "0123456789abcdef" for c in src["commit"]), src
+    if os.environ.get("CI") == "true" and (REPO / ".git").exists():
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        assert head.stdout.startswith(src["commit"]) and not src["dirty"], (src, head.stdout)
+    from portable_gemm._info import format_info, source_commit
+
+    assert f"source       {source_commit(manifest)}" in format_info(pg.info()).splitlines()

@@ -50,4 +50,14 @@ def format_info(d: dict) -> str:
                  + (f", {tc['cuda']['compiler']} ({tc['cuda']['archs']})" if tc.get("cuda") else ", no CUDA"))
     if tc.get("cuda"):
         lines.append("sm_90 gemm   " + (tc["cuda"].get("sm90_gemm") or "portable kernel (built without CUTLASS)"))
+    lines.append(f"source       {source_commit(m) or 'not built from a git checkout'}")
     return "\n".join(lines)
+
+
+def source_commit(manifest: dict) -> str | None:
+    """The git commit the binaries were built from, '-dirty' appended when tracked files
+    differed from it at configure time; None when not built from a git checkout."""
+    src = manifest.get("source")
+    if not src:
+        return None
+    return src["commit"] + ("-dirty" if src.get("dirty") else "")
