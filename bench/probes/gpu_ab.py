@@ -12,7 +12,10 @@ Run it alternately under each build's PYTHONPATH, for several rounds, then compa
 
 `compare` prints, per case, the best time of each build over the rounds and B / A (graph
 replay and eager), the ratio to F.linear of each, and how far B's output is from A's
-(max |B - A| / max |A|).
+(max |B - A| / max |A|). `score TABLE` reads a saved `compare` table and scores routing
+rules of the form "A up to T MiB of quantised weight, B above" (run 57):
+
+    python bench/probes/gpu_ab.py score bench/results/gpu_route_run57.txt
 """
 
 from __future__ import annotations
@@ -96,6 +99,27 @@ EDGE2_CASES = [
     for bits, g in [{"4a": (4, 128), "4c": (4, 0), "8c": (8, 0), "8a": (8, 128)}[x] for x in schemes.split()]
 ] + [(k, n, 8, 0, m, "bf16") for (k, n) in [(4096, 14336), (5120, 13824), (2048, 8192)] for m in (17, 32)] + [
     (8192, 8192, 8, 0, 24, "f16"), (28672, 8192, 4, 128, 24, "f16")]
+# --cases mid2: M = 33..64, the small-M GEMV in slices (int4: 16 rows, int8: 32 rows with four
+# x tiles) against the sm_90 GEMM's 64-wide tile (run 57). The rule is fitted on the issue's 7
+# shapes (first list) and scored on shapes it was not fitted on (second list), plus M = 32
+# controls that no switch touches.
+MID2_FIT = [
+    (k, n, bits, g, m, "bf16")
+    for (k, n) in [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (4096, 12288),
+                   (11008, 4096), (4096, 22016)]
+    for bits, g in [(4, 128), (8, 0), (8, 128)]
+    for m in (40, 48, 64)
+]
+MID2_HELD = [
+    (k, n, bits, g, m, "bf16")
+    for (k, n) in [(2048, 2048), (2048, 8192), (8192, 2048), (3072, 3072), (3072, 8192),
+                   (8192, 3072), (5120, 5120), (4096, 8192), (4096, 14336), (14336, 4096)]
+    for bits, g in [(4, 128), (8, 0)]
+    for m in (48, 64)
+] + [(k, n, 8, 128, 48, "bf16") for (k, n) in [(2048, 8192), (3072, 8192), (5120, 5120)]] + [
+    (k, n, 4, 0, 48, "bf16") for (k, n) in [(4096, 4096), (3072, 8192)]] + [
+    (4096, 4096, 4, 128, 48, "f16"), (4096, 4096, 8, 0, 48, "f16")]
+MID2_CASES = MID2_FIT + MID2_HELD + [(8192, 8192, 4, 128, 32, "bf16"), (4096, 4096, 8, 0, 32, "bf16")]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -164,21 +188,60 @@ def compare(out: Path, a: str, b: str) -> None:
               f"{x['ref_graph_us'] / x['graph_us']:11.2f} {y['ref_graph_us'] / y['graph_us']:11.2f} | {diff:.1e}")
 
 
+def score(table: Path, fit_shapes: set, thresholds: list[float], min_m: int) -> None:
+    """Scores "the first path up to T MiB of quantised weight, the second above" on a
+    `compare` table (rows with M >= min_m): the summed time of the path the rule picks over
+    the summed time of the faster path of each case, graph replay and eager, on the cases of
+    fit_shapes' (K, N) with bf16 x and the schemes of the fit (int4 g128, int8 per channel and
+    g128) and on every other case."""
+    import re
+
+    rows = []
+    pat = re.compile(r"\((\d+),(\d+)\) int(\d) g(\w+) M=(\d+) (\w+)\s+\|\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+\|"
+                     r"\s+([\d.]+)\s+([\d.]+)")
+    for line in table.read_text().splitlines():
+        mt = pat.match(line)
+        if mt and int(mt[5]) >= min_m:
+            k, n, bits = int(mt[1]), int(mt[2]), int(mt[3])
+            fit = (k, n) in fit_shapes and mt[6] == "bf16" and (bits, mt[4]) in {(4, "128"), (8, "ch"), (8, "128")}
+            rows.append({"mib": k * n * bits / 8 / 2**20, "fit": fit, "name": line.split("|")[0].strip(),
+                         "a": (float(mt[7]), float(mt[9])), "b": (float(mt[8]), float(mt[10]))})
+    for label, sel in (("fit", [r for r in rows if r["fit"]]), ("other", [r for r in rows if not r["fit"]])):
+        print(f"{label}: {len(sel)} cases")
+        for t in thresholds + [None]:
+            cols = []
+            for i, mode in enumerate(("graph", "eager")):
+                pick = sum(r["a"][i] if t is not None and r["mib"] <= t else r["b"][i] for r in sel)
+                best = sum(min(r["a"][i], r["b"][i]) for r in sel)
+                cols.append(f"{mode} {pick / best:.3f}")
+            print(f"  {'second path everywhere' if t is None else f'first path up to {t:g} MiB':28s} " + ", ".join(cols))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2"], default="small",
-                   help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32")
+    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2"], default="small",
+                   help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32; "
+                        "mid2: M = 33..64")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
     c.add_argument("b")
+    sc = sub.add_parser("score", help="score weight-size thresholds on a saved `compare` table")
+    sc.add_argument("table", type=Path)
+    sc.add_argument("--min-m", type=int, default=33)
+    sc.add_argument("--thresholds", default="4,8,12,16,20,24", help="MiB, comma-separated")
     args = ap.parse_args()
+    if args.cmd == "score":
+        issue7 = {(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096), (4096, 12288), (11008, 4096), (4096, 22016)}
+        score(args.table, issue7, [float(t) for t in args.thresholds.split(",")], args.min_m)
+        return 0
     if args.cmd == "run":
-        run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES}[args.cases])
+        run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES,
+             "mid2": MID2_CASES}[args.cases])
     else:
         compare(args.out, args.a, args.b)
     return 0
