@@ -172,9 +172,11 @@ def test_many_rows_mixed_linear_paths(dtype, bits, group, m):
 # many SMs and adds the fp32 partials through the workspace in K order, so a repeated call
 # is bit-identical; many tiles (68 or more for N = 8704) take the persistent one. The tile
 # is 64 rows of x wide up to M = 64, 128 up to 128, and at M = 129..256 256 wide where
-# N / 128 tiles give a quarter of the SMs one (N = 4352 and 8704 here), else 128.
+# N / 128 tiles give a quarter of the SMs one (N = 4352 and 8704 here), else 128. M = 33..64
+# reaches the GEMM only from 16 MiB of quantised weight (below, the small-M GEMV takes it),
+# hence the long K of the 64-wide cases.
 TILE_CASES = [
-    (48, 264, 8192, True), (48, 8704, 256, False),  # 64 wide
+    (48, 264, 131072, True), (48, 8704, 4096, False),  # 64 wide
     (100, 264, 8192, True), (100, 8704, 256, False), (256, 264, 8192, True),  # 128 wide
     (256, 4352, 1024, True), (256, 8704, 256, False),  # 256 wide
 ]
@@ -200,18 +202,22 @@ def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k):
         assert cutlass and all(("StreamK" in name) == stream_k for name in cutlass), names
 
 
-# Which kernel takes a weight-only call, where two could (bench/GPU_NOTES.md, run 55): at
-# M = 17..32 the small-M GEMV unless the quantised weight has 48 MiB or more, where the
-# sm_90 GEMM was measured faster; M <= 16 always the GEMV. 4096 x 12288 int8 is 48 MiB
-# exactly, 8 rows fewer is under. The last case is many rows of a weight whose 16-bit copy
-# would exceed the binding's 512 MiB limit for dequantise + cuBLAS: on sm_90 it still takes
-# the fused GEMM, which needs no such copy. (M, K, N, bits, group, the sm_90 GEMM expected
-# on sm_90)
+# Which kernel takes a weight-only call, where two could (bench/GPU_NOTES.md, runs 55 and
+# 57): at M = 17..32 the small-M GEMV unless the quantised weight has 48 MiB or more, where
+# the sm_90 GEMM was measured faster; at M = 33..64 the GEMV up to 16 MiB; M <= 16 always
+# the GEMV. 4096 x 12288 int8 is 48 MiB exactly, 8 rows fewer is under; 4096 x 4096 int8
+# is 16 MiB exactly, 8 rows more is over. The last case is many rows of a weight whose
+# 16-bit copy would exceed the binding's 512 MiB limit for dequantise + cuBLAS: on sm_90 it
+# still takes the fused GEMM, which needs no such copy. (M, K, N, bits, group, the sm_90
+# GEMM expected on sm_90; else the GEMV)
 ROUTE_CASES = [
     (24, 4096, 12288, 8, None, True), (24, 4096, 12280, 8, None, False),
     (17, 4096, 12288, 8, 128, True), (32, 11008, 4096, 8, None, False),
     (32, 8192, 8192, 4, 128, False), (24, 16384, 8192, 4, 128, True),
     (16, 16384, 8192, 4, 128, False), (64, 8192, 32776, 4, 128, True),
+    (48, 4096, 4096, 4, 128, False), (64, 4096, 4096, 8, None, False),
+    (64, 4096, 4104, 8, None, True), (40, 11008, 4096, 4, 128, True),
+    (33, 2048, 2048, 8, 128, False),
 ]
 
 
@@ -230,12 +236,12 @@ def test_mixed_linear_route_small_m_or_sm90(m, k, n, bits, group, sm90):
         names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=bits, group_size=group))
         took_sm90 = any("cutlass" in name for name in names)
         took_gemv = any("gemv_tc" in name for name in names)
-        assert (took_sm90, took_gemv) == (sm90, not sm90 and m <= 32), names
+        assert (took_sm90, took_gemv) == (sm90, not sm90), names
 
 
 # Per-channel scales: on sm_90 the mixed-input kernel reads them as stored when they are in
 # x's dtype, contiguous and 16-byte aligned ([N] is then already the [1, N] it wants), and
-# transposes them into its workspace otherwise. Both with the stream-K scheduler (M = 64,
+# transposes them into its workspace otherwise. Both with the stream-K scheduler (M = 100,
 # N = 264: a workspace for the partial sums) and without it (N = 8704: as stored, no
 # workspace at all, so the call allocates its output and nothing else).
 SCALE_FORMS = ["as stored", "other dtype", "strided", "misaligned"]
@@ -244,7 +250,7 @@ SCALE_FORMS = ["as stored", "other dtype", "strided", "misaligned"]
 @pytest.mark.parametrize("form", SCALE_FORMS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m,n,k", [(64, 264, 4096), (64, 8704, 256)], ids=["stream-K", "persistent"])
+@pytest.mark.parametrize("m,n,k", [(100, 264, 4096), (100, 8704, 256)], ids=["stream-K", "persistent"])
 def test_mixed_linear_per_channel_scales_forms(form, bits, dtype, m, n, k):
     w = rand((n, k), dtype, "cuda")
     q, s = pg.quantize_weight(w, bits=bits)  # scales [N] in w's dtype, contiguous
@@ -285,7 +291,7 @@ def test_sm90_kernels_on_two_devices():
         b = rand((512, 256), torch.bfloat16, dev)
         assert_close(pg.gemm(a, b), gemm_ref(a, b), torch.bfloat16, label=dev)
         q, s = pg.quantize_weight(rand((256, 512), torch.bfloat16, dev), bits=4, group_size=128)
-        x = rand((64, 512), torch.bfloat16, dev)
+        x = rand((100, 512), torch.bfloat16, dev)  # M > 64: the sm_90 GEMM, whatever the weight's size
         out = pg.mixed_linear(x, q, s, bits=4, group_size=128)
         assert out.device == torch.device(dev)
         assert_close(out, x.double() @ dequant_ref(q, s, 4, 128).T, torch.bfloat16, label=dev)
@@ -295,7 +301,7 @@ def test_sm90_kernels_on_two_devices():
 def test_sm90_mixed_path_is_taken_when_eligible():
     assert _sm90_gemm_built(), "wheel built without the sm_90 CUTLASS kernels (no CUTLASS headers at build time)"
     w = rand((256, 512), torch.bfloat16, "cuda")
-    x = rand((64, 512), torch.bfloat16, "cuda")
+    x = rand((100, 512), torch.bfloat16, "cuda")  # M > 64: small weights too
     q, s = pg.quantize_weight(w, bits=4, group_size=128)
     names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=4, group_size=128))
     # fused: a CUTLASS kernel and no dequantisation pass (kernel names may be mangled)
@@ -317,7 +323,7 @@ from torch.profiler import ProfilerActivity, profile
 import portable_gemm as pg
 a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
-x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
 q, s = pg.quantize_weight(b.t().contiguous(), bits=4, group_size=128)
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     pg.gemm(a, b)

@@ -247,7 +247,7 @@ def test_mixed_linear_sliced_m(device, bits, group, k):
     # tail, which the CUDA path runs on the SIMT GEMV slice by slice; the tail is checked on
     # its own. Bias and activation (the epilogue maps each slice's or tile's rows).
     q, s = pg.quantize_weight(rand((72, k), torch.float32, device), bits=bits, group_size=group)
-    check_m_list(device, q, s, bits, group, (17, 24, 31, 32, 33, 40), activation="gelu",
+    check_m_list(device, q, s, bits, group, (17, 24, 31, 32, 33, 40, 48, 63, 64, 65), activation="gelu",
                  parts={"blocks": slice(0, 64), "tail": slice(64, 72)})
 
 

@@ -159,7 +159,8 @@ PG_API Status gemm(const GemmArgs& args, void* stream);
 PG_API Status mixed_linear(const MixedLinearArgs& args, void* stream);
 // True when mixed_linear runs these arguments on its small-M kernels (the GEMVs that read
 // the weight about once): every M <= 16, and more rows where the tensor-core GEMV applies
-// (f16 / bf16 x, aligned, K a multiple of its chunk) up to M = 32 (measured on the H200).
+// (f16 / bf16 x, aligned, K a multiple of its chunk) up to M = 32, and up to M = 64 for
+// weights of at most 16 MiB (as stored, scales not counted; measured on the H200).
 // Callers with a GEMM of their own for many rows (the torch binding) use it to choose.
 PG_API bool mixed_linear_small_m(const MixedLinearArgs& args);
 PG_API Status quantize(const QuantizeArgs& args, void* stream);

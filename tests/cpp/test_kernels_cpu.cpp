@@ -279,6 +279,44 @@ void test_validation() {
   CHECK(!cuda::gemm(g, nullptr).ok() || has_cuda(), "cuda stub must fail without CUDA");
 }
 
+// Which rows of x the CUDA small-M kernels take (cuda::mixed_linear_small_m, a host-side
+// choice that needs no GPU; bench/GPU_NOTES.md runs 47, 55 and 57): every M <= 16; up to
+// M = 32 where the tensor-core GEMV applies; M = 33..64 only for weights of at most 16 MiB as
+// stored. Pointers are never dereferenced, only their alignment is read.
+void test_cuda_small_m_rule() {
+  if (!has_cuda()) return;  // the stub library answers false throughout
+  alignas(16) static unsigned char buf[64];
+  auto args = [&](int64_t m, int64_t k, int64_t n, int bits, int64_t gs, DType xt) {
+    MixedLinearArgs a;
+    a.x = ConstMatrix{buf, m, k, k, 1, xt};
+    a.w = QuantizedWeight{buf, n, k, k * bits / 8, bits, gs, buf, gs ? k / gs : 1, DType::bf16};
+    a.y = Matrix{buf, m, n, n, 1, xt};
+    return a;
+  };
+  struct Case {
+    int64_t m, k, n;
+    int bits;
+    int64_t gs;
+    DType xt;
+    bool small;
+  };
+  const Case cases[] = {
+      {16, 8192, 8192, 4, 128, DType::bf16, true},   {16, 8192, 8192, 4, 128, DType::f32, true},
+      {32, 8192, 28672, 4, 128, DType::bf16, true},  {32, 8192, 8192, 4, 128, DType::f32, false},
+      {48, 4096, 4096, 4, 128, DType::bf16, true},   {64, 4096, 4096, 8, 0, DType::f16, true},
+      {64, 4096, 4104, 8, 0, DType::bf16, false},    {64, 4096, 8192, 4, 128, DType::bf16, true},
+      {64, 4096, 8200, 4, 128, DType::bf16, false},  {40, 11008, 4096, 4, 128, DType::bf16, false},
+      {33, 2048, 2048, 8, 128, DType::bf16, true},   {65, 2048, 2048, 8, 128, DType::bf16, false},
+      {48, 4160, 1024, 4, 0, DType::bf16, false},    // K not a multiple of int4's 128-k chunk
+      {48, 4160, 1024, 8, 0, DType::bf16, true},     // int8's chunk is 64 k
+  };
+  for (const Case& c : cases)
+    CHECK(cuda::mixed_linear_small_m(args(c.m, c.k, c.n, c.bits, c.gs, c.xt)) == c.small,
+          "mixed_linear_small_m(M %lld, K %lld, N %lld, int%d, g%lld, %s) should be %d", (long long)c.m,
+          (long long)c.k, (long long)c.n, c.bits, (long long)c.gs, c.xt == DType::f32 ? "f32" : "16-bit",
+          c.small);
+}
+
 std::atomic<int64_t> g_sum{0};
 void add_range(void* nested, int64_t b, int64_t e) {
   for (int64_t i = b; i < e; ++i) g_sum += i;
@@ -411,6 +449,7 @@ int main() {
   for (int bits : {8, 4})
     for (int64_t gs : {0, 32, 128}) test_quantize_roundtrip(bits, gs);
   test_validation();
+  test_cuda_small_m_rule();
   test_executor();
   test_pool_size();
   std::printf(g_failures ? "%d FAILURES\n" : "all passed\n", g_failures);

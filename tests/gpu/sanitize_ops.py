@@ -25,10 +25,10 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         pg.gemm(a.T.contiguous().T, b.T.contiguous().T)
         n_calls += 2
 for bits, group in ((8, None), (8, 32), (4, None), (4, 128)):
-    # 24: the small-M GEMV in slices of 16 rows of x (int8: in one pass with four x tiles);
-    # 48, 100, 300: the sm_90 GEMM's tiles
-    # 64, 128 and 256 rows of x wide (stream-K below 300)
-    for m in (1, 5, 16, 24) if INITCHECK else (1, 5, 16, 24, 48, 100, 300):
+    # 24, 48: the small-M GEMV in slices of 16 rows of x (int8: four x tiles, one pass at 24,
+    # slices of 32 rows at 48; M = 33..64 takes weights up to 16 MiB); 100, 300: the sm_90
+    # GEMM's tiles 128 and 256 rows of x wide (stream-K below 300)
+    for m in (1, 5, 16, 24, 48) if INITCHECK else (1, 5, 16, 24, 48, 100, 300):
         w = torch.randn(72, 256, device=dev, dtype=torch.bfloat16)
         q, s = pg.quantize_weight(w, bits=bits, group_size=group)
         for xdtype in (torch.float16, torch.bfloat16):
@@ -41,10 +41,16 @@ for bits, group in ((8, None), (8, 32), (4, None), (4, 128)):
                     pg.mixed_linear(x, q, s.to(sdtype), bits=bits, group_size=group)
                     n_calls += 1
         n_calls += 1
-if not INITCHECK:  # the 256-wide tile under stream-K: M = 129..256 and N > 4096 on the H200
+if not INITCHECK:
+    # the 256-wide tile under stream-K: M = 129..256 and N > 4096 on the H200
     w = torch.randn(4352, 256, device=dev, dtype=torch.bfloat16)
     q, s = pg.quantize_weight(w, bits=4, group_size=128)
     pg.mixed_linear(torch.randn(200, 256, device=dev, dtype=torch.bfloat16), q, s, bits=4, group_size=128)
-    n_calls += 1
+    # the 64-wide tile (stream-K): M = 33..64 reaches the GEMM from 16 MiB of weight (17 here)
+    w = torch.randn(264, 131072, device=dev, dtype=torch.bfloat16)
+    q, s = pg.quantize_weight(w, bits=4, group_size=128)
+    del w
+    pg.mixed_linear(torch.randn(48, 131072, device=dev, dtype=torch.bfloat16), q, s, bits=4, group_size=128)
+    n_calls += 2
 torch.cuda.synchronize()
 print(f"sanitize_ops: {n_calls} op calls completed on {torch.cuda.get_device_name()}")

@@ -3,9 +3,9 @@
 //   M <= 16, f16/bf16 x (aligned, K % 128 (int4) / 64 (int8) == 0): tensor-core GEMV
 //                   (mma.sync, weight dequantised in registers into the A fragment) over
 //                   whole blocks of 32 rows; the last N % 32 rows on the SIMT GEMV.
-//   16 < M <= GEMV_SLICED_MAX_M, same conditions: the same GEMV over x in slices of 16
-//                   rows, one launch (see gemv_tc_kernel); int8 in one pass with four x
-//                   tiles instead (tcv_four).
+//   16 < M <= GEMV_SLICED_MAX_M (from 33 rows, weights up to 16 MiB only), same
+//                   conditions: the same GEMV over x in slices of 16 rows, one launch (see
+//                   gemv_tc_kernel); int8 with four x tiles in slices of 32 rows (tcv_four).
 //   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
 //   more rows, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the
 //                   fly (the torch binding sends these to the sm_90 CUTLASS GEMM or to
@@ -416,11 +416,11 @@ __host__ __device__ constexpr bool tcv_half(int64_t m, int64_t k) {
   return m > 8 && k <= TCV_HALF_MAX_K;
 }
 
-// int8 at M = 17..32 (16 < M, the sliced range) takes one pass with four x tiles (MT = 4)
-// over one 16-row weight tile per warp: each weight is dequantised once for all rows of x,
-// where two slices of 16 rows dequantised it twice. On the H200 (bench/GPU_NOTES.md, run 54)
-// that took 0.85-0.98x the time of the slices on every shape of issue 7 (outputs bit-equal:
-// the same MMAs in the same order). x is loaded per chunk (a prefetch stage would spill).
+// int8 at M = 17..32 (16 < M, the sliced range; more rows in slices of 32) takes one pass
+// with four x tiles (MT = 4) over one 16-row weight tile per warp: each weight is
+// dequantised once for all rows of x, where two slices of 16 rows dequantised it twice. On
+// the H200 (bench/GPU_NOTES.md, run 54) that took 0.85-0.98x the time of the slices on every
+// shape of issue 7 (outputs bit-equal: the same MMAs in the same order). x is loaded per chunk (a prefetch stage would spill).
 // int4 stays on the slices: its B fragments for four tiles take 64 registers.
 template <int BITS>
 constexpr bool tcv_four(int64_t m) {
@@ -442,7 +442,7 @@ struct TcvParams {
   int64_t y_rs, y_cs;
   int64_t N, K;
   int M, act;
-  int slices;  // blocks per 32 weight rows: x in slices of 16 rows (1 when M <= 16)
+  int slices;  // blocks per weight row block: x in slices of 8 MT rows (1 when M <= 8 MT)
   // Set by the host from the above: the stride between a lane's weight rows (8 rows) in
   // bytes of weight and in bytes of scales, and how far the group index moves between two
   // chunks a warp loads (KW chunks apart): gstep whole groups plus grstep elements of k.
@@ -575,10 +575,11 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   __shared__ float red[KW][NACC][32];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  // SLICED (M > 16): block b multiplies rows r0 .. r0 + 15 of x; otherwise all M <= 16 rows
-  // (a variant of its own: at the register cap, the slice's offset cost spills).
+  // SLICED: block b multiplies rows r0 .. r0 + 8 MT - 1 of x (slices of 16 rows, or of 32
+  // with four x tiles); otherwise all M <= 8 MT rows (a variant of its own: at the register
+  // cap, the slice's offset cost spills).
   const int64_t n0 = static_cast<int64_t>(SLICED ? blockIdx.x / p.slices : blockIdx.x) * (16 * RT);
-  const int r0 = SLICED ? static_cast<int>(blockIdx.x % p.slices) * 16 : 0;
+  const int r0 = SLICED ? static_cast<int>(blockIdx.x % p.slices) * (8 * MT) : 0;
   const int64_t nchunks = p.K / CHUNK;
   const T* xg = static_cast<const T*>(p.x);
 
@@ -860,10 +861,13 @@ Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
   const bool offset = BITS == 4 && p.mode != 2;
   if constexpr (BITS == 8) {  // tcv_four: no int4 kernel with four x tiles is built
     if (tcv_four<BITS>(p.M)) {
-      const int64_t four_blocks = p.N / tcv::FOUR_ROWS;
+      const int64_t four_blocks = p.N / tcv::FOUR_ROWS * p.slices;
       if (four_blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
-      gemv_tc_kernel<T, S, BITS, 4, false, false, false, tcv::FOUR_RT>
-          <<<static_cast<unsigned>(four_blocks), tcv::THREADS, 0, stream>>>(p);
+      const unsigned fb = static_cast<unsigned>(four_blocks);
+      if (p.slices == 1)
+        gemv_tc_kernel<T, S, BITS, 4, false, false, false, tcv::FOUR_RT><<<fb, tcv::THREADS, 0, stream>>>(p);
+      else
+        gemv_tc_kernel<T, S, BITS, 4, false, false, true, tcv::FOUR_RT><<<fb, tcv::THREADS, 0, stream>>>(p);
       return launch_status();
     }
   }
@@ -907,14 +911,22 @@ static QuantParams quant_params(const MixedLinearArgs& args) {
 }
 
 // The small-M kernels take up to GEMV_MAX_M rows of x in one pass. With the tensor-core
-// GEMV's preconditions, up to GEMV_SLICED_MAX_M rows run as slices of GEMV_MAX_M in one
-// launch (gemv_tc_kernel). On the H200 (bench/GPU_NOTES.md, run 47), at M = 17..32 (two
-// slices) that took 0.37-0.90x the time of the sm_90 CUTLASS GEMM for int4 and 0.43-0.87x
-// for int8 on every shape of issue 7 but the two with 28672 (int8 there: 1.01-1.09x in graph
-// replay, 0.90-0.99x eager); at M = 48 and 64 (three and four slices) it lost (1.0-2.1x)
-// except at N = K = 4096.
+// GEMV's preconditions, up to GEMV_SLICED_MAX_M rows run as slices in one launch
+// (gemv_tc_kernel: int4 in slices of 16 rows, int8 in slices of 32 with four x tiles). On
+// the H200 (bench/GPU_NOTES.md):
+//   - M = 17..32 (one or two slices, runs 47 and 55) beat the sm_90 CUTLASS GEMM below
+//     48 MiB of quantised weight; the binding takes the GEMM from there
+//     (mixed_linear_sm90_preferred).
+//   - M = 33..64 (run 57): the GEMV reads the weight once per slice, the GEMM has a fixed
+//     cost of ~15-30 us a call. The GEMV won only on small weights, whose later slices hit
+//     L2: it takes them up to GEMV_MID_MAX_BYTES of quantised weight. That bound was chosen on
+//     the 7 shapes of issue 7 (1.001x the faster path's summed time in graph replay); on 47
+//     other cases it scored 1.040x (eager 1.010x), where the GEMM everywhere scored 1.094x
+//     (1.138x).
 constexpr int64_t GEMV_MAX_M = 16;
-constexpr int64_t GEMV_SLICED_MAX_M = 32;
+constexpr int64_t GEMV_SLICED_MAX_M = 64;
+constexpr int64_t GEMV_SMALL_WEIGHT_M = 32;  // more rows: small weights only
+constexpr int64_t GEMV_MID_MAX_BYTES = int64_t(16) << 20;
 
 // The SIMT GEMV (M <= 16; more rows in slices of 16) over output channels [n_begin, N).
 static Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream_t stream) {
@@ -1001,7 +1013,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.K = a.x.cols;
   p.M = static_cast<int>(a.x.rows);
   p.act = static_cast<int>(a.activation);
-  p.slices = four ? 1 : static_cast<int>(ceil_div(a.x.rows, GEMV_MAX_M));
+  p.slices = static_cast<int>(ceil_div(a.x.rows, four ? 2 * GEMV_MAX_M : GEMV_MAX_M));
   if (p.N > 0) {
     const Status st = a.x.dtype == DType::f16
                           ? launch_gemv_tc<__half, BITS>(p, a.w.scales_dtype, stream)
@@ -1039,8 +1051,12 @@ Status mixed_tc(const MixedLinearArgs& args, QuantParams qp, const Epilogue& ep,
 bool mixed_linear_small_m(const MixedLinearArgs& args) {
   const int64_t M = args.x.rows;
   if (M <= GEMV_MAX_M) return true;
-  if (M > GEMV_SLICED_MAX_M) return false;
-  return args.w.bits == 4 ? gemv_tc_ok<4>(args) : args.w.bits == 8 && gemv_tc_ok<8>(args);
+  const int bits = args.w.bits;
+  if (M > GEMV_SLICED_MAX_M || (bits != 4 && bits != 8)) return false;
+  // rows n of at most this many: n * K * bits / 8 <= GEMV_MID_MAX_BYTES (no overflow)
+  const int64_t small_n = GEMV_MID_MAX_BYTES * 8 / bits / std::max<int64_t>(args.w.k, 1);
+  if (M > GEMV_SMALL_WEIGHT_M && args.w.n > small_n) return false;
+  return bits == 4 ? gemv_tc_ok<4>(args) : gemv_tc_ok<8>(args);
 }
 
 Status mixed_linear(const MixedLinearArgs& args, void* stream_ptr) {
