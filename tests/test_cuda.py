@@ -173,8 +173,8 @@ def test_many_rows_mixed_linear_paths(dtype, bits, group, m):
 # is bit-identical; many tiles (68 or more for N = 8704) take the persistent one. The tile
 # is 64 rows of x wide up to M = 64, 128 up to 128, and at M = 129..256 256 wide where
 # N / 128 tiles give a quarter of the SMs one (N = 4352 and 8704 here), else 128. M = 33..64
-# reaches the GEMM only from 16 MiB of quantised weight (below, the small-M GEMV takes it),
-# hence the long K of the 64-wide cases.
+# reaches the GEMM only above 16 MiB of quantised weight (up to it, the small-M GEMV takes
+# it), hence the long K of the 64-wide cases. f16 and bf16 x: each has its own kernels.
 TILE_CASES = [
     (48, 264, 131072, True), (48, 8704, 4096, False),  # 64 wide
     (100, 264, 8192, True), (100, 8704, 256, False), (256, 264, 8192, True),  # 128 wide
@@ -182,17 +182,19 @@ TILE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, None)], ids=["int4-g128", "int8-chan"])
 @pytest.mark.parametrize("m,n,k,stream_k", TILE_CASES, ids=lambda v: str(v))
-def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k):
+def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k, dtype):
     # Off sm_90 (or without the CUTLASS kernels) the same cases check the other paths.
     w = rand((n, k), torch.float32, "cuda")
     q, s = pg.quantize_weight(w, bits=bits, group_size=group)
-    x = rand((m, k), torch.bfloat16, "cuda")
-    bias = rand((n,), torch.bfloat16, "cuda")
+    del w
+    x = rand((m, k), dtype, "cuda")
+    bias = rand((n,), dtype, "cuda")
     out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
     ref = gemm_ref(x, dequant_ref(q, s, bits, group).T.to(torch.float64), bias, "silu")
-    assert_close(out, ref, torch.bfloat16)
+    assert_close(out, ref, dtype)
     again = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
     assert torch.equal(out, again), "two identical calls gave different results"
     if _is_sm90() and _sm90_gemm_built():

@@ -238,10 +238,11 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
     (8, 64, 2048),
 ], ids=lambda v: str(v))
 def test_mixed_linear_sliced_m(device, bits, group, k):
-    # 16 < M <= 32 with the CUDA tensor-core GEMV's preconditions runs int4 on that GEMV over
-    # x in slices of 16 rows, one launch (bench/GPU_NOTES.md, run 47), and int8 in one pass
-    # with four 8-row x tiles over 16-row weight blocks (run 54): M on both sides of the
-    # slice edge and of the limit (33 and 40 take the many-row path), half chunks (K = 2048)
+    # 16 < M <= 64 with the CUDA tensor-core GEMV's preconditions (and, above 32 rows, a
+    # weight of at most 16 MiB, as here) runs int4 on that GEMV over x in slices of 16 rows,
+    # one launch (bench/GPU_NOTES.md, runs 47 and 57), and int8 with four 8-row x tiles over
+    # 16-row weight blocks, in slices of 32 rows (runs 54 and 57): M on both sides of the
+    # slice edges and of the limit (65 takes the many-row path), half chunks (K = 2048)
     # and whole ones (int4 K = 8320), groups that scale chunk sums (int4 g128, int8 g64) and
     # groups folded into the weights. N = 72: whole blocks of 32 (int8: 16) rows and an 8-row
     # tail, which the CUDA path runs on the SIMT GEMV slice by slice; the tail is checked on

@@ -46,7 +46,7 @@ if not INITCHECK:
     w = torch.randn(4352, 256, device=dev, dtype=torch.bfloat16)
     q, s = pg.quantize_weight(w, bits=4, group_size=128)
     pg.mixed_linear(torch.randn(200, 256, device=dev, dtype=torch.bfloat16), q, s, bits=4, group_size=128)
-    # the 64-wide tile (stream-K): M = 33..64 reaches the GEMM from 16 MiB of weight (17 here)
+    # the 64-wide tile (stream-K): M = 33..64 reaches the GEMM above 16 MiB of weight (17 here)
     w = torch.randn(264, 131072, device=dev, dtype=torch.bfloat16)
     q, s = pg.quantize_weight(w, bits=4, group_size=128)
     del w

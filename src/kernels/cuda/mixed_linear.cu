@@ -389,8 +389,9 @@ constexpr int THREADS = 256;
 constexpr int KW = THREADS / 32;  // warps per block, splitting K
 constexpr int RT = 2;             // 16-row weight tiles per warp
 constexpr int ROWS = 16 * RT;     // weight rows (outputs) per block
-// int8 at M = 17..32: four 8-row x tiles in one pass over one 16-row weight tile per warp
-// (tcv_four), instead of two slices of 16 rows of x (two x tiles and two weight tiles).
+// int8 at M > 16: four 8-row x tiles over one 16-row weight tile per warp (tcv_four), in
+// slices of 32 rows of x from M = 33, instead of slices of 16 rows (two x tiles and two
+// weight tiles).
 constexpr int FOUR_RT = 1;
 constexpr int FOUR_ROWS = 16 * FOUR_RT;
 }  // namespace tcv
@@ -420,8 +421,9 @@ __host__ __device__ constexpr bool tcv_half(int64_t m, int64_t k) {
 // with four x tiles (MT = 4) over one 16-row weight tile per warp: each weight is
 // dequantised once for all rows of x, where two slices of 16 rows dequantised it twice. On
 // the H200 (bench/GPU_NOTES.md, run 54) that took 0.85-0.98x the time of the slices on every
-// shape of issue 7 (outputs bit-equal: the same MMAs in the same order). x is loaded per chunk (a prefetch stage would spill).
-// int4 stays on the slices: its B fragments for four tiles take 64 registers.
+// shape of issue 7 (outputs bit-equal: the same MMAs in the same order). x is loaded per
+// chunk (a prefetch stage would spill). int4 stays on the slices: its B fragments for four
+// tiles take 64 registers.
 template <int BITS>
 constexpr bool tcv_four(int64_t m) {
   return BITS == 8 && m > 16;
@@ -865,9 +867,11 @@ Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
       if (four_blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
       const unsigned fb = static_cast<unsigned>(four_blocks);
       if (p.slices == 1)
-        gemv_tc_kernel<T, S, BITS, 4, false, false, false, tcv::FOUR_RT><<<fb, tcv::THREADS, 0, stream>>>(p);
+        gemv_tc_kernel<T, S, BITS, 4, false, false, false, tcv::FOUR_RT>
+            <<<fb, tcv::THREADS, 0, stream>>>(p);
       else
-        gemv_tc_kernel<T, S, BITS, 4, false, false, true, tcv::FOUR_RT><<<fb, tcv::THREADS, 0, stream>>>(p);
+        gemv_tc_kernel<T, S, BITS, 4, false, false, true, tcv::FOUR_RT>
+            <<<fb, tcv::THREADS, 0, stream>>>(p);
       return launch_status();
     }
   }
@@ -1013,6 +1017,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.K = a.x.cols;
   p.M = static_cast<int>(a.x.rows);
   p.act = static_cast<int>(a.activation);
+  // slices of 8 MT rows of x, as gemv_tc_kernel takes them (MT = 4 with tcv_four, else 2)
   p.slices = static_cast<int>(ceil_div(a.x.rows, four ? 2 * GEMV_MAX_M : GEMV_MAX_M));
   if (p.N > 0) {
     const Status st = a.x.dtype == DType::f16

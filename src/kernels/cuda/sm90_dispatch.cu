@@ -137,7 +137,8 @@ int64_t mixed_linear_sm90_workspace(const MixedLinearArgs& args) {
 }
 
 bool mixed_linear_sm90_preferred(const MixedLinearArgs& args) {
-  // Rows 17..32 are the ones both paths take. The GEMM pays a fixed ~10 us a call (its
+  // Rows 17..32 of any weight are ones both paths take (33..64 go to the GEMV only up to
+  // 16 MiB of weight, where this never holds: mixed_linear_small_m). The GEMM pays a fixed ~10 us a call (its
   // launches, a 64-row tile mostly padding, stream-K's fix-up, the pipeline's fill) and then
   // streams the weight faster than the GEMV, which dequantises every weight for 32 rows of x
   // (int4 twice, in two slices). Over 97 cases of 24 shapes on the H200 (bench/GPU_NOTES.md,
