@@ -25,6 +25,13 @@ inline bool aligned_to(const void* p, uintptr_t bytes) {
   return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
 }
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Bytes of a quantised weight as stored (n rows of k * bits / 8; scales not counted),
+// saturating at INT64_MAX: the small-M routing rules compare it with a size.
+inline int64_t quantised_bytes(const QuantizedWeight& w) {
+  const int64_t row = w.k * w.bits / 8;
+  if (row <= 0 || w.n <= 0) return 0;
+  return w.n > INT64_MAX / row ? INT64_MAX : w.n * row;
+}
 
 // ---- element conversion -----------------------------------------------------------
 __device__ __forceinline__ float to_f32(float v) { return v; }

@@ -1058,9 +1058,7 @@ bool mixed_linear_small_m(const MixedLinearArgs& args) {
   if (M <= GEMV_MAX_M) return true;
   const int bits = args.w.bits;
   if (M > GEMV_SLICED_MAX_M || (bits != 4 && bits != 8)) return false;
-  // rows n of at most this many: n * K * bits / 8 <= GEMV_MID_MAX_BYTES (no overflow)
-  const int64_t small_n = GEMV_MID_MAX_BYTES * 8 / bits / std::max<int64_t>(args.w.k, 1);
-  if (M > GEMV_SMALL_WEIGHT_M && args.w.n > small_n) return false;
+  if (M > GEMV_SMALL_WEIGHT_M && quantised_bytes(args.w) > GEMV_MID_MAX_BYTES) return false;
   return bits == 4 ? gemv_tc_ok<4>(args) : gemv_tc_ok<8>(args);
 }
 

@@ -147,8 +147,7 @@ bool mixed_linear_sm90_preferred(const MixedLinearArgs& args) {
   // case, against 14 % for the GEMV everywhere.
   constexpr int64_t kMinWeightBytes = int64_t(48) << 20;
   if (args.x.rows <= 16 || !mixed_linear_small_m(args)) return false;
-  const int64_t row_bytes = args.w.k * args.w.bits / 8;
-  if (row_bytes <= 0 || args.w.n < detail::ceil_div(kMinWeightBytes, row_bytes)) return false;
+  if (detail::quantised_bytes(args.w) < kMinWeightBytes) return false;
   return mixed_linear_sm90_workspace(args) >= 0;
 }
 
