@@ -25,9 +25,9 @@ BUCKETS = [
     (1, 8, "tensor-core GEMV, 1 x tile", "nibble block / tile path"),
     (9, 16, "the same, 2 x tiles", "tile path"),
     (17, 32, "GEMV (int4: 2 slices of 16 rows, int8: 4 x tiles); from 48 MiB of weight, CUTLASS 64-wide", "tile path"),
-    (33, 64, "CUTLASS mixed-input, 64-wide tile (since run 57, after this run: the GEMV up to 16 MiB of weight)",
-     "GEMM (int4) / tile path (int8)"),
-    (65, 128, "the same, 128-wide", "vdpbf16ps GEMM"),
+    (33, 64, "GEMV up to 16 MiB of weight (int4: slices of 16 rows, int8: 4 x tiles in slices of 32); "
+     "above, CUTLASS 64-wide", "GEMM (int4) / tile path (int8)"),
+    (65, 128, "CUTLASS mixed-input, 128-wide", "vdpbf16ps GEMM"),
     (129, 256, "the same, 128- or 256-wide", "vdpbf16ps GEMM"),
     (1024, 1 << 30, "the same, 256-wide", "vdpbf16ps GEMM"),
 ]
