@@ -174,7 +174,7 @@ def test_many_rows_mixed_linear_paths(dtype, bits, group, m):
 # is 64 rows of x wide up to M = 64, 128 up to 128, and at M = 129..256 256 wide where
 # N / 128 tiles give a quarter of the SMs one (N = 4352 and 8704 here), else 128. M = 33..64
 # reaches the GEMM only above 16 MiB of quantised weight (up to it, the small-M GEMV takes
-# it), hence the long K of the 64-wide cases. f16 and bf16 x: each has its own kernels.
+# it; cuda::sm90_gemm_outruns_gemv), hence the long K of the 64-wide cases. f16 and bf16 x: each has its own kernels.
 TILE_CASES = [
     (48, 264, 131072, True), (48, 8704, 4096, False),  # 64 wide
     (100, 264, 8192, True), (100, 8704, 256, False), (256, 264, 8192, True),  # 128 wide
@@ -204,10 +204,11 @@ def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k, dtype):
         assert cutlass and all(("StreamK" in name) == stream_k for name in cutlass), names
 
 
-# Which kernel takes a weight-only call, where two could (bench/GPU_NOTES.md, runs 55 and
-# 57): at M = 17..32 the small-M GEMV unless the quantised weight has 48 MiB or more, where
-# the sm_90 GEMM was measured faster; at M = 33..64 the GEMV up to 16 MiB; M <= 16 always
-# the GEMV. 4096 x 12288 int8 is 48 MiB exactly, 8 rows fewer is under; 4096 x 4096 int8
+# Which kernel takes a weight-only call on sm_90, where two could (bench/GPU_NOTES.md, runs
+# 55 and 57; cuda::sm90_gemm_outruns_gemv): at M = 17..32 the small-M GEMV unless the
+# quantised weight has 48 MiB or more, where the sm_90 GEMM was measured faster; at M =
+# 33..64 the GEMV up to 16 MiB; M <= 16 always the GEMV. Without the sm_90 GEMM the GEMV
+# takes M <= 64 at any size (the test after this one). 4096 x 12288 int8 is 48 MiB exactly, 8 rows fewer is under; 4096 x 4096 int8
 # is 16 MiB exactly, 8 rows more is over. The last case is many rows of a weight whose
 # 16-bit copy would exceed the binding's 512 MiB limit for dequantise + cuBLAS: on sm_90 it
 # still takes the fused GEMM, which needs no such copy. (M, K, N, bits, group, the sm_90
@@ -239,6 +240,55 @@ def test_mixed_linear_route_small_m_or_sm90(m, k, n, bits, group, sm90):
         took_sm90 = any("cutlass" in name for name in names)
         took_gemv = any("gemv_tc" in name for name in names)
         assert (took_sm90, took_gemv) == (sm90, not sm90), names
+
+
+# M = 33..64 on a weight above 16 MiB ((11008, 4096) int4 g128, 21.5 MiB): the sm_90 GEMM
+# takes it where it applies (ROUTE_CASES), the small-M GEMV everywhere else: through the
+# DLPack door (whose other path is the library's mma.sync GEMM) and through the torch op
+# without the sm_90 kernels (other GPUs; here PORTABLE_GEMM_DISABLE_SM90=1), whose other path
+# is dequantise + cuBLAS. On the H200 those took 1.5-18x and 1.3-3.1x the GEMV's time
+# (bench/GPU_NOTES.md, run 59).
+def test_mixed_linear_mid_m_large_weight_without_the_sm90_gemm(tmp_path):
+    from portable_gemm import dlpack
+
+    m, k, n = 48, 11008, 4096
+    w = rand((n, k), torch.bfloat16, "cuda")
+    q, s = pg.quantize_weight(w, bits=4, group_size=128)
+    del w
+    x = rand((m, k), torch.bfloat16, "cuda")
+    cols = torch.randperm(n, device="cuda")[:1024]  # a float64 reference for 1024 outputs a row
+    ref = x.double() @ dequant_ref(q[cols], s[cols], 4, 128).T
+
+    def door():
+        return dlpack.mixed_linear(x, q, s, 4, group_size=128, stream=torch.cuda.current_stream().cuda_stream)
+
+    names = _cuda_kernels_run(door)
+    assert any("gemv_tc" in name for name in names), names
+    out = door()
+    torch.cuda.synchronize()
+    assert_close(out[:, cols], ref, torch.bfloat16, label="DLPack door")
+
+    torch.save({"x": x.cpu(), "q": q.cpu(), "s": s.cpu()}, tmp_path / "inputs.pt")
+    code = f"""
+import torch
+from torch.profiler import ProfilerActivity, profile
+import portable_gemm as pg
+t = {{key: v.cuda() for key, v in torch.load({str(tmp_path / "inputs.pt")!r}).items()}}
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    y = pg.mixed_linear(t["x"], t["q"], t["s"], bits=4, group_size=128)
+    torch.cuda.synchronize()
+names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+torch.save(y.cpu(), {str(tmp_path / "y.pt")!r})
+print("GEMV", sum("gemv_tc" in n for n in names), "CUTLASS", sum("cutlass" in n for n in names),
+      "DEQUANT", sum("dequantize" in n for n in names), "OF", len(names))
+"""
+    r = run_python(code, env={"PORTABLE_GEMM_DISABLE_SM90": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    counts = r.stdout.split()
+    gemv, cutlass, dequant = (int(counts[counts.index(key) + 1]) for key in ("GEMV", "CUTLASS", "DEQUANT"))
+    assert gemv >= 1 and cutlass == 0 and dequant == 0, r.stdout
+    y = torch.load(tmp_path / "y.pt").cuda()
+    assert_close(y[:, cols], ref, torch.bfloat16, label="torch op, sm_90 kernels off")
 
 
 # Per-channel scales: on sm_90 the mixed-input kernel reads them as stored when they are in

@@ -238,8 +238,8 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
     (8, 64, 2048),
 ], ids=lambda v: str(v))
 def test_mixed_linear_sliced_m(device, bits, group, k):
-    # 16 < M <= 64 with the CUDA tensor-core GEMV's preconditions (and, above 32 rows, a
-    # weight of at most 16 MiB, as here) runs int4 on that GEMV over x in slices of 16 rows,
+    # 16 < M <= 64 with the CUDA tensor-core GEMV's preconditions (on sm_90 and above 32
+    # rows, a weight of at most 16 MiB, as here) runs int4 on that GEMV over x in slices of 16 rows,
     # one launch (bench/GPU_NOTES.md, runs 47 and 57), and int8 with four 8-row x tiles over
     # 16-row weight blocks, in slices of 32 rows (runs 54 and 57): M on both sides of the
     # slice edges and of the limit (65 takes the many-row path), half chunks (K = 2048)

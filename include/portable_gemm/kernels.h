@@ -158,10 +158,13 @@ namespace cuda {
 PG_API Status gemm(const GemmArgs& args, void* stream);
 PG_API Status mixed_linear(const MixedLinearArgs& args, void* stream);
 // True when mixed_linear runs these arguments on its small-M kernels (the GEMVs that read
-// the weight about once): every M <= 16, and more rows where the tensor-core GEMV applies
-// (f16 / bf16 x, aligned, K a multiple of its chunk) up to M = 32, and up to M = 64 for
-// weights of at most 16 MiB (as stored, scales not counted; measured on the H200).
-// Callers with a GEMM of their own for many rows (the torch binding) use it to choose.
+// the weight about once): every M <= 16, and up to M = 64 where the tensor-core GEMV
+// applies (f16 / bf16 x, aligned, K a multiple of its chunk). There it beat both other
+// paths a caller may have at every shape measured on the H200: dequantise + cuBLAS
+// (1.3-3.1x the GEMV's time at M = 17..64) and mixed_linear's own mma.sync GEMM
+// (1.5-18x); only the sm_90 fused GEMM below outruns it on large weights
+// (mixed_linear_sm90_preferred). Callers with a GEMM of their own for many rows (the
+// torch binding) use it to choose.
 PG_API bool mixed_linear_small_m(const MixedLinearArgs& args);
 PG_API Status quantize(const QuantizeArgs& args, void* stream);
 // The pieces of "dequantise, then a dense GEMM" for weight-only linears with many rows of
@@ -186,11 +189,22 @@ PG_API Status bias_act_store(ConstMatrix src, int64_t n0, const void* bias, int6
 PG_API int64_t mixed_linear_sm90_workspace(const MixedLinearArgs& args);
 PG_API Status mixed_linear_sm90(const MixedLinearArgs& args, void* workspace, void* stream);
 // True when these arguments are small-M rows (mixed_linear_small_m, M > 16) that the sm_90
-// fused GEMM above runs faster than the small-M kernels, as measured on the H200 (from 48
-// MiB of quantised weight on), and it applies (mixed_linear_sm90_workspace >= 0). Callers
-// that can give it a workspace (the torch binding) take it then; mixed_linear itself keeps
-// the small-M kernels.
+// fused GEMM above runs faster than the small-M kernels (sm90_gemm_outruns_gemv), and it
+// applies (mixed_linear_sm90_workspace >= 0). Callers that can give it a workspace (the
+// torch binding) take it then; mixed_linear itself keeps the small-M kernels.
 PG_API bool mixed_linear_sm90_preferred(const MixedLinearArgs& args);
+// The size rule behind it, measured on the H200 (bench/GPU_NOTES.md): the GEMM has a fixed
+// cost of ~10-17 us a call and then streams the weight faster than the GEMV, which reads it
+// once per slice of x's rows (int4: 16 rows a slice, int8: 32). quantised_bytes is the
+// weight as stored (N * K * bits / 8, scales not counted).
+//   M = 17..32: from 48 MiB on (runs 55a-b; 1.003x the faster path's summed time over 97
+//     cases of 24 shapes);
+//   M = 33..64: above 16 MiB (run 57; 1.001x on the 63 cases it was chosen on, 1.040x on 47
+//     others, where the GEMM everywhere took 1.094x).
+inline bool sm90_gemm_outruns_gemv(int64_t rows, int64_t quantised_bytes) {
+  if (rows <= 16 || rows > 64) return false;
+  return rows <= 32 ? quantised_bytes >= (int64_t(48) << 20) : quantised_bytes > (int64_t(16) << 20);
+}
 // cudaGetErrorString of the library's own runtime (static cudart).
 PG_API const char* error_string(int32_t code);
 // For callers without an allocator of their own (the DLPack door): device memory on

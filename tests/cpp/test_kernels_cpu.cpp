@@ -280,9 +280,9 @@ void test_validation() {
 }
 
 // Which rows of x the CUDA small-M kernels take (cuda::mixed_linear_small_m, a host-side
-// choice that needs no GPU; bench/GPU_NOTES.md runs 47, 55 and 57): every M <= 16; up to
-// M = 32 where the tensor-core GEMV applies; M = 33..64 only for weights of at most 16 MiB as
-// stored. Pointers are never dereferenced, only their alignment is read.
+// choice that needs no GPU; bench/GPU_NOTES.md runs 47, 57 and 59): every M <= 16; up to
+// M = 64 where the tensor-core GEMV applies, at any weight size. Pointers are never
+// dereferenced, only their alignment is read.
 void test_cuda_small_m_rule() {
   if (!has_cuda()) return;  // the stub library answers false throughout
   alignas(16) static unsigned char buf[64];
@@ -304,8 +304,10 @@ void test_cuda_small_m_rule() {
       {16, 8192, 8192, 4, 128, DType::bf16, true},   {16, 8192, 8192, 4, 128, DType::f32, true},
       {32, 8192, 28672, 4, 128, DType::bf16, true},  {32, 8192, 8192, 4, 128, DType::f32, false},
       {48, 4096, 4096, 4, 128, DType::bf16, true},   {64, 4096, 4096, 8, 0, DType::f16, true},
-      {64, 4096, 4104, 8, 0, DType::bf16, false},    {64, 4096, 8192, 4, 128, DType::bf16, true},
-      {64, 4096, 8200, 4, 128, DType::bf16, false},  {40, 11008, 4096, 4, 128, DType::bf16, false},
+      // any weight size up to M = 64 (the sm_90 GEMM's size rule is the binding's, below)
+      {64, 4096, 4104, 8, 0, DType::bf16, true},     {64, 4096, 8192, 4, 128, DType::bf16, true},
+      {64, 4096, 8200, 4, 128, DType::bf16, true},   {40, 11008, 4096, 4, 128, DType::bf16, true},
+      {64, 8192, 28672, 8, 0, DType::bf16, true},
       {33, 2048, 2048, 8, 128, DType::bf16, true},   {65, 2048, 2048, 8, 128, DType::bf16, false},
       {48, 4160, 1024, 4, 0, DType::bf16, false},    // K not a multiple of int4's 128-k chunk
       {48, 4160, 1024, 8, 0, DType::bf16, true},     // int8's chunk is 64 k
@@ -315,6 +317,25 @@ void test_cuda_small_m_rule() {
           "mixed_linear_small_m(M %lld, K %lld, N %lld, int%d, g%lld, %s) should be %d", (long long)c.m,
           (long long)c.k, (long long)c.n, c.bits, (long long)c.gs, c.xt == DType::f32 ? "f32" : "16-bit",
           c.small);
+}
+
+void test_sm90_size_rule() {
+  // Where the sm_90 GEMM outruns the small-M GEMV (kernels.h; runs 55 and 57 on the H200):
+  // M = 17..32 from 48 MiB of quantised weight, M = 33..64 above 16 MiB, never at M <= 16
+  // or M > 64 (the GEMV does not take those rows, or takes them alone).
+  constexpr int64_t MiB = int64_t(1) << 20;
+  struct Case {
+    int64_t rows, bytes;
+    bool gemm;
+  };
+  const Case cases[] = {
+      {16, 1024 * MiB, false}, {17, 48 * MiB - 1, false}, {17, 48 * MiB, true},  {32, 48 * MiB, true},
+      {32, 47 * MiB, false},   {33, 16 * MiB, false},     {33, 16 * MiB + 1, true}, {64, 16 * MiB, false},
+      {64, 16 * MiB + 1, true}, {65, 1024 * MiB, false},  {48, INT64_MAX, true},  {24, 0, false},
+  };
+  for (const Case& c : cases)
+    CHECK(cuda::sm90_gemm_outruns_gemv(c.rows, c.bytes) == c.gemm, "sm90_gemm_outruns_gemv(%lld, %lld) should be %d",
+          (long long)c.rows, (long long)c.bytes, c.gemm);
 }
 
 std::atomic<int64_t> g_sum{0};
@@ -450,6 +471,7 @@ int main() {
     for (int64_t gs : {0, 32, 128}) test_quantize_roundtrip(bits, gs);
   test_validation();
   test_cuda_small_m_rule();
+  test_sm90_size_rule();
   test_executor();
   test_pool_size();
   std::printf(g_failures ? "%d FAILURES\n" : "all passed\n", g_failures);

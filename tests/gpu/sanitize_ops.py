@@ -26,7 +26,7 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         n_calls += 2
 for bits, group in ((8, None), (8, 32), (4, None), (4, 128)):
     # 24, 48: the small-M GEMV in slices of 16 rows of x (int8: four x tiles, one pass at 24,
-    # slices of 32 rows at 48; M = 33..64 takes weights up to 16 MiB); 100, 300: the sm_90
+    # slices of 32 rows at 48; on sm_90 M = 33..64 takes weights up to 16 MiB); 100, 300: the sm_90
     # GEMM's tiles 128 and 256 rows of x wide (stream-K below 300)
     for m in (1, 5, 16, 24, 48) if INITCHECK else (1, 5, 16, 24, 48, 100, 300):
         w = torch.randn(72, 256, device=dev, dtype=torch.bfloat16)

@@ -3,16 +3,16 @@
 //   M <= 16, f16/bf16 x (aligned, K % 128 (int4) / 64 (int8) == 0): tensor-core GEMV
 //                   (mma.sync, weight dequantised in registers into the A fragment) over
 //                   whole blocks of 32 rows; the last N % 32 rows on the SIMT GEMV.
-//   16 < M <= GEMV_SLICED_MAX_M (from 33 rows, weights up to 16 MiB only), same
-//                   conditions: the same GEMV over x in slices of 16 rows, one launch (see
-//                   gemv_tc_kernel); int8 with four x tiles in slices of 32 rows (tcv_four).
+//   16 < M <= GEMV_SLICED_MAX_M, same conditions: the same GEMV over x in slices of 16
+//                   rows, one launch (see gemv_tc_kernel); int8 with four x tiles in slices
+//                   of 32 rows (tcv_four).
 //   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
 //   more rows, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the
 //                   fly (the torch binding sends these to the sm_90 CUTLASS GEMM or to
 //                   dequantize_rows + torch's matmul instead, see src/torch/cuda_ops.cpp and
 //                   mixed_linear_small_m; the DLPack door runs this one). On sm_90 the
-//                   binding also sends it M = 17..32 from 48 MiB of weight
-//                   (mixed_linear_sm90_preferred).
+//                   binding also sends the CUTLASS GEMM M = 17..32 from 48 MiB of weight
+//                   and M = 33..64 above 16 MiB (mixed_linear_sm90_preferred).
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
 
@@ -916,21 +916,14 @@ static QuantParams quant_params(const MixedLinearArgs& args) {
 
 // The small-M kernels take up to GEMV_MAX_M rows of x in one pass. With the tensor-core
 // GEMV's preconditions, up to GEMV_SLICED_MAX_M rows run as slices in one launch
-// (gemv_tc_kernel: int4 in slices of 16 rows, int8 in slices of 32 with four x tiles). On
-// the H200 (bench/GPU_NOTES.md):
-//   - M = 17..32 (one or two slices, runs 47 and 55) beat the sm_90 CUTLASS GEMM below
-//     48 MiB of quantised weight; the binding takes the GEMM from there
-//     (mixed_linear_sm90_preferred).
-//   - M = 33..64 (run 57): the GEMV reads the weight once per slice, the GEMM has a fixed
-//     cost of ~15-30 us a call. The GEMV won only on small weights, whose later slices hit
-//     L2: it takes them up to GEMV_MID_MAX_BYTES of quantised weight. That bound was chosen on
-//     the 7 shapes of issue 7 (1.001x the faster path's summed time in graph replay); on 47
-//     other cases it scored 1.040x (eager 1.010x), where the GEMM everywhere scored 1.094x
-//     (1.138x).
+// (gemv_tc_kernel: int4 in slices of 16 rows, int8 in slices of 32 with four x tiles),
+// whatever the weight's size. On the H200 (bench/GPU_NOTES.md, run 59) that beat
+// dequantise + cuBLAS (1.30-3.1x the GEMV's time) and this file's mma.sync GEMM (1.5-18x)
+// on every case of issue 7's shapes at M = 17..64. Only the sm_90 CUTLASS GEMM outruns it,
+// on large weights (runs 55 and 57): the torch binding takes that one where
+// mixed_linear_sm90_preferred says so.
 constexpr int64_t GEMV_MAX_M = 16;
 constexpr int64_t GEMV_SLICED_MAX_M = 64;
-constexpr int64_t GEMV_SMALL_WEIGHT_M = 32;  // more rows: small weights only
-constexpr int64_t GEMV_MID_MAX_BYTES = int64_t(16) << 20;
 
 // The SIMT GEMV (M <= 16; more rows in slices of 16) over output channels [n_begin, N).
 static Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream_t stream) {
@@ -1058,7 +1051,6 @@ bool mixed_linear_small_m(const MixedLinearArgs& args) {
   if (M <= GEMV_MAX_M) return true;
   const int bits = args.w.bits;
   if (M > GEMV_SLICED_MAX_M || (bits != 4 && bits != 8)) return false;
-  if (M > GEMV_SMALL_WEIGHT_M && quantised_bytes(args.w) > GEMV_MID_MAX_BYTES) return false;
   return bits == 4 ? gemv_tc_ok<4>(args) : gemv_tc_ok<8>(args);
 }
 

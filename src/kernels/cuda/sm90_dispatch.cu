@@ -137,17 +137,12 @@ int64_t mixed_linear_sm90_workspace(const MixedLinearArgs& args) {
 }
 
 bool mixed_linear_sm90_preferred(const MixedLinearArgs& args) {
-  // Rows 17..32 of any weight are ones both paths take (33..64 go to the GEMV only up to
-  // 16 MiB of weight, where this never holds: mixed_linear_small_m). The GEMM pays a fixed ~10 us a call (its
+  // Rows 17..64 are ones both paths take. The GEMM pays a fixed ~10 us a call (its
   // launches, a 64-row tile mostly padding, stream-K's fix-up, the pipeline's fill) and then
-  // streams the weight faster than the GEMV, which dequantises every weight for 32 rows of x
-  // (int4 twice, in two slices). Over 97 cases of 24 shapes on the H200 (bench/GPU_NOTES.md,
-  // runs 55a-b) the GEMM won from about 48 MiB of quantised weight on, for int4 and int8
-  // alike: taking it from there cost 0.3 % more time in all than the faster path of each
-  // case, against 14 % for the GEMV everywhere.
-  constexpr int64_t kMinWeightBytes = int64_t(48) << 20;
-  if (args.x.rows <= 16 || !mixed_linear_small_m(args)) return false;
-  if (detail::quantised_bytes(args.w) < kMinWeightBytes) return false;
+  // streams the weight faster than the GEMV, which dequantises every weight once per slice
+  // of x's rows: the size rule in sm90_gemm_outruns_gemv (kernels.h).
+  if (!mixed_linear_small_m(args)) return false;
+  if (!sm90_gemm_outruns_gemv(args.x.rows, detail::quantised_bytes(args.w))) return false;
   return mixed_linear_sm90_workspace(args) >= 0;
 }
 
