@@ -208,16 +208,18 @@ def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k, dtype):
 # 55 and 57; cuda::sm90_gemm_outruns_gemv): at M = 17..32 the small-M GEMV unless the
 # quantised weight has 48 MiB or more, where the sm_90 GEMM was measured faster; at M =
 # 33..64 the GEMV up to 16 MiB; M <= 16 always the GEMV. Without the sm_90 GEMM the GEMV
-# takes M <= 64 at any size (the test after this one). 4096 x 12288 int8 is 48 MiB exactly, 8 rows fewer is under; 4096 x 4096 int8
-# is 16 MiB exactly, 8 rows more is over. The last case is many rows of a weight whose
-# 16-bit copy would exceed the binding's 512 MiB limit for dequantise + cuBLAS: on sm_90 it
-# still takes the fused GEMM, which needs no such copy. (M, K, N, bits, group, the sm_90
-# GEMM expected on sm_90; else the GEMV)
+# takes M <= 64 at any size (the test after this one). 4096 x 12288 int8 is 48 MiB
+# exactly, 8 rows fewer is under; 4096 x 4096 int8 is 16 MiB exactly, 8 rows more is over.
+# The 32776 x 8192 weight's 16-bit copy would exceed the binding's 512 MiB limit for
+# dequantise + cuBLAS: on sm_90 both M take the fused GEMM, which needs no such copy; off
+# it, M = 64 takes the GEMV and M = 100 the library's own GEMM. (M, K, N, bits, group, the
+# sm_90 GEMM expected on sm_90; else the GEMV)
 ROUTE_CASES = [
     (24, 4096, 12288, 8, None, True), (24, 4096, 12280, 8, None, False),
     (17, 4096, 12288, 8, 128, True), (32, 11008, 4096, 8, None, False),
     (32, 8192, 8192, 4, 128, False), (24, 16384, 8192, 4, 128, True),
     (16, 16384, 8192, 4, 128, False), (64, 8192, 32776, 4, 128, True),
+    (100, 8192, 32776, 4, 128, True),
     (48, 4096, 4096, 4, 128, False), (64, 4096, 4096, 8, None, False),
     (64, 4096, 4104, 8, None, True), (40, 11008, 4096, 4, 128, True),
     (33, 2048, 2048, 8, 128, False),

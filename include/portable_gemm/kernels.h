@@ -161,7 +161,7 @@ PG_API Status mixed_linear(const MixedLinearArgs& args, void* stream);
 // the weight about once): every M <= 16, and up to M = 64 where the tensor-core GEMV
 // applies (f16 / bf16 x, aligned, K a multiple of its chunk). There it beat both other
 // paths a caller may have at every shape measured on the H200: dequantise + cuBLAS
-// (1.3-3.1x the GEMV's time at M = 17..64) and mixed_linear's own mma.sync GEMM
+// (1.3-3.0x the GEMV's time at M = 17..64, graph replay) and mixed_linear's own mma.sync GEMM
 // (1.5-18x); only the sm_90 fused GEMM below outruns it on large weights
 // (mixed_linear_sm90_preferred). Callers with a GEMM of their own for many rows (the
 // torch binding) use it to choose.

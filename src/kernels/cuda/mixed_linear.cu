@@ -918,7 +918,7 @@ static QuantParams quant_params(const MixedLinearArgs& args) {
 // GEMV's preconditions, up to GEMV_SLICED_MAX_M rows run as slices in one launch
 // (gemv_tc_kernel: int4 in slices of 16 rows, int8 in slices of 32 with four x tiles),
 // whatever the weight's size. On the H200 (bench/GPU_NOTES.md, run 59) that beat
-// dequantise + cuBLAS (1.30-3.1x the GEMV's time) and this file's mma.sync GEMM (1.5-18x)
+// dequantise + cuBLAS (1.30-3.0x the GEMV's time replayed) and this file's mma.sync GEMM (1.5-18x)
 // on every case of issue 7's shapes at M = 17..64. Only the sm_90 CUTLASS GEMM outruns it,
 // on large weights (runs 55 and 57): the torch binding takes that one where
 // mixed_linear_sm90_preferred says so.
