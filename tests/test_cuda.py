@@ -237,22 +237,31 @@ def test_mixed_linear_route_small_m_or_sm90(m, k, n, bits, group, sm90):
     cols = torch.randperm(n, device="cuda")[:1024]  # a float64 reference for 1024 outputs a row
     ref = x.double() @ dequant_ref(q[cols], s[cols], bits, group).T
     assert_close(out[:, cols], ref, torch.bfloat16)
+    # The DLPack door takes the same path (cuda::mixed_linear_pooled, scratch from the pool).
+    from portable_gemm import dlpack
+
+    def door():
+        return dlpack.mixed_linear(x, q, s, bits, group_size=group, stream=torch.cuda.current_stream().cuda_stream)
+
+    out = door()
+    torch.cuda.synchronize()
+    assert_close(out[:, cols], ref, torch.bfloat16, label="DLPack door")
     if _is_sm90() and _sm90_gemm_built():
-        names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=bits, group_size=group))
-        took_sm90 = any("cutlass" in name for name in names)
-        took_gemv = any("gemv_tc" in name for name in names)
-        assert (took_sm90, took_gemv) == (sm90, not sm90), names
+        for label, fn in (("torch op", lambda: pg.mixed_linear(x, q, s, bits=bits, group_size=group)),
+                          ("DLPack door", door)):
+            names = _cuda_kernels_run(fn)
+            took_sm90 = any("cutlass" in name for name in names)
+            took_gemv = any("gemv_tc" in name for name in names)
+            assert (took_sm90, took_gemv) == (sm90, not sm90), (label, names)
 
 
 # M = 33..64 on a weight above 16 MiB ((11008, 4096) int4 g128, 21.5 MiB): the sm_90 GEMM
-# takes it where it applies (ROUTE_CASES), the small-M GEMV everywhere else: through the
-# DLPack door (whose other path is the library's mma.sync GEMM) and through the torch op
-# without the sm_90 kernels (other GPUs; here PORTABLE_GEMM_DISABLE_SM90=1), whose other path
-# is dequantise + cuBLAS. On the H200 those took 1.5-18x and 1.3-3.1x the GEMV's time
+# takes it where it applies (ROUTE_CASES), the small-M GEMV everywhere else (other GPUs;
+# here PORTABLE_GEMM_DISABLE_SM90=1), through the torch op, whose other path is dequantise +
+# cuBLAS, and through the DLPack door, whose other path is dequantise + the library's gemm
+# (cuda::mixed_linear_pooled). On the H200 dequantise + cuBLAS took 1.3-3.1x the GEMV's time
 # (bench/GPU_NOTES.md, run 59).
 def test_mixed_linear_mid_m_large_weight_without_the_sm90_gemm(tmp_path):
-    from portable_gemm import dlpack
-
     m, k, n = 48, 11008, 4096
     w = rand((n, k), torch.bfloat16, "cuda")
     q, s = pg.quantize_weight(w, bits=4, group_size=128)
@@ -261,38 +270,71 @@ def test_mixed_linear_mid_m_large_weight_without_the_sm90_gemm(tmp_path):
     cols = torch.randperm(n, device="cuda")[:1024]  # a float64 reference for 1024 outputs a row
     ref = x.double() @ dequant_ref(q[cols], s[cols], 4, 128).T
 
-    def door():
-        return dlpack.mixed_linear(x, q, s, 4, group_size=128, stream=torch.cuda.current_stream().cuda_stream)
-
-    names = _cuda_kernels_run(door)
-    assert any("gemv_tc" in name for name in names), names
-    out = door()
-    torch.cuda.synchronize()
-    assert_close(out[:, cols], ref, torch.bfloat16, label="DLPack door")
-
     torch.save({"x": x.cpu(), "q": q.cpu(), "s": s.cpu()}, tmp_path / "inputs.pt")
     code = f"""
 import torch
 from torch.profiler import ProfilerActivity, profile
 import portable_gemm as pg
+from portable_gemm import dlpack
 t = {{key: v.cuda() for key, v in torch.load({str(tmp_path / "inputs.pt")!r}).items()}}
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    y = pg.mixed_linear(t["x"], t["q"], t["s"], bits=4, group_size=128)
-    torch.cuda.synchronize()
-names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-torch.save(y.cpu(), {str(tmp_path / "y.pt")!r})
-print("GEMV", sum("gemv_tc" in n for n in names), "CUTLASS", sum("cutlass" in n for n in names),
-      "DEQUANT", sum("dequantize" in n for n in names), "OF", len(names))
+calls = {{"op": lambda: pg.mixed_linear(t["x"], t["q"], t["s"], bits=4, group_size=128),
+         "door": lambda: dlpack.mixed_linear(t["x"], t["q"], t["s"], 4, group_size=128,
+                                             stream=torch.cuda.current_stream().cuda_stream)}}
+for label, fn in calls.items():
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        y = fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    torch.save(y.cpu(), {str(tmp_path)!r} + f"/y_{{label}}.pt")
+    print(label, "GEMV", sum("gemv_tc" in n for n in names), "CUTLASS", sum("cutlass" in n for n in names),
+          "DEQUANT", sum("dequantize" in n for n in names), "OF", len(names))
 """
     r = run_python(code, env={"PORTABLE_GEMM_DISABLE_SM90": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    counts = r.stdout.split()
-    gemv, cutlass, dequant = (int(counts[counts.index(key) + 1]) for key in ("GEMV", "CUTLASS", "DEQUANT"))
-    assert gemv >= 1 and cutlass == 0 and dequant == 0, r.stdout
-    y = torch.load(tmp_path / "y.pt").cuda()
-    assert_close(y[:, cols], ref, torch.bfloat16, label="torch op, sm_90 kernels off")
+    for line in r.stdout.splitlines():
+        label, *counts = line.split()
+        gemv, cutlass, dequant = (int(counts[counts.index(key) + 1]) for key in ("GEMV", "CUTLASS", "DEQUANT"))
+        assert gemv >= 1 and cutlass == 0 and dequant == 0, line
+        y = torch.load(tmp_path / f"y_{label}.pt").cuda()
+        assert_close(y[:, cols], ref, torch.bfloat16, label=f"{label}, sm_90 kernels off")
+    assert sorted(line.split()[0] for line in r.stdout.splitlines()) == ["door", "op"], r.stdout
 
 
+# More rows than the small-M kernels take, through the DLPack door (cuda::mixed_linear_pooled:
+# the torch binding's paths with scratch memory from the device's pool): on sm_90 the fused
+# CUTLASS GEMM where it applies, elsewhere, and for the arguments it refuses (g32, N % 8 != 0),
+# dequantise + the library's dense gemm, never its GEMM with dequantised B tiles (~0.2x
+# cuBLAS). Bias and activation go through either epilogue.
+DOOR_MANY_ROWS = [(100, 4096, 1024, 4, 128), (100, 4096, 1032, 4, 32), (300, 2048, 2056, 8, None),
+                  (65, 4096, 1028, 8, None), (130, 1024, 2048, 8, 64)]
+
+
+@pytest.mark.parametrize("m,k,n,bits,group", DOOR_MANY_ROWS, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_dlpack_mixed_linear_many_rows_paths(m, k, n, bits, group, dtype):
+    from portable_gemm import dlpack
+
+    w = rand((n, k), dtype, "cuda")
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    x = rand((m, k), dtype, "cuda")
+    bias = rand((n,), dtype, "cuda")
+
+    def door():
+        return dlpack.mixed_linear(x, q, s, bits, group_size=group, bias=bias, activation="silu",
+                                   stream=torch.cuda.current_stream().cuda_stream)
+
+    names = _cuda_kernels_run(door)
+    out = door()
+    torch.cuda.synchronize()
+    z = x.double() @ dequant_ref(q, s, bits, group).T + bias.double()
+    assert_close(out, torch.nn.functional.silu(z), dtype, label="DLPack door")
+    assert not any("TcDequantLoader" in name for name in names), names  # not the slow GEMM
+    # on sm_90 the dense gemm after dequantising is a CUTLASS kernel too: the dequantise
+    # kernel tells the two paths apart
+    sm90 = _is_sm90() and _sm90_gemm_built() and (group is None or group % 64 == 0) and n % 8 == 0
+    took_dequant = any("dequantize" in name for name in names)
+    took_cutlass = any("cutlass" in name for name in names)
+    assert (took_cutlass and not took_dequant) if sm90 else took_dequant, names
 # Per-channel scales: on sm_90 the mixed-input kernel reads them as stored when they are in
 # x's dtype, contiguous and 16-byte aligned ([N] is then already the [1, N] it wants), and
 # transposes them into its workspace otherwise. Both with the stream-K scheduler (M = 100,

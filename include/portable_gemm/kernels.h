@@ -163,8 +163,7 @@ PG_API Status mixed_linear(const MixedLinearArgs& args, void* stream);
 // paths a caller may have at every shape measured on the H200: dequantise + cuBLAS
 // (1.3-3.0x the GEMV's time at M = 17..64, graph replay) and mixed_linear's own mma.sync GEMM
 // (1.5-18x); only the sm_90 fused GEMM below outruns it on large weights
-// (mixed_linear_sm90_preferred). Callers with a GEMM of their own for many rows (the
-// torch binding) use it to choose.
+// (mixed_linear_sm90_preferred). mixed_linear_path below uses it to choose.
 PG_API bool mixed_linear_small_m(const MixedLinearArgs& args);
 PG_API Status quantize(const QuantizeArgs& args, void* stream);
 // The pieces of "dequantise, then a dense GEMM" for weight-only linears with many rows of
@@ -205,6 +204,27 @@ inline bool sm90_gemm_outruns_gemv(int64_t rows, int64_t quantised_bytes) {
   if (rows <= 16 || rows > 64) return false;
   return rows <= 32 ? quantised_bytes >= (int64_t(48) << 20) : quantised_bytes > (int64_t(16) << 20);
 }
+// The path mixed_linear's arguments take, on the current device, for a caller that can
+// lend scratch memory (the torch binding; mixed_linear_pooled):
+//   kernels          mixed_linear itself: the small-M kernels (mixed_linear_small_m, where
+//                    the sm_90 GEMM is not preferred), f32 x, K == 0, and, where the sm_90
+//                    GEMM does not apply, weights whose 16-bit copy would exceed
+//                    kMixedTempMaxBytes (its tensor-core GEMM, B tiles dequantised on the fly);
+//   sm90             mixed_linear_sm90 with a workspace of *scratch_bytes (possibly 0);
+//   dequantize_gemm  dequantize_rows into an [N, K] temporary of x's dtype (*scratch_bytes),
+//                    a dense GEMM x @ temp^T, then bias_act_store.
+// The library's GEMM with dequantised B tiles reaches ~0.2x cuBLAS (bench/GPU_NOTES.md,
+// run 15); the sm_90 GEMM beat dequantise + GEMM at every M measured (run 20); splitting a
+// larger weight into row chunks was measured 7x slower (run 17).
+enum class MixedLinearPath : int32_t { kernels = 0, sm90 = 1, dequantize_gemm = 2 };
+constexpr int64_t kMixedTempMaxBytes = int64_t(512) << 20;
+PG_API MixedLinearPath mixed_linear_path(const MixedLinearArgs& args, int64_t* scratch_bytes);
+// mixed_linear for callers without an allocator of their own (the DLPack door): the path
+// above, its scratch memory taken stream-ordered from the current device's current memory
+// pool (cudaMallocAsync / cudaFreeAsync on `stream`: no synchronisation), and this
+// library's gemm as the dense GEMM. Where the pool cannot lend it (no memory-pool
+// support, out of memory), mixed_linear. Same arguments and result as mixed_linear.
+PG_API Status mixed_linear_pooled(const MixedLinearArgs& args, void* stream);
 // cudaGetErrorString of the library's own runtime (static cudart).
 PG_API const char* error_string(int32_t code);
 // For callers without an allocator of their own (the DLPack door): device memory on

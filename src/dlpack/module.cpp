@@ -323,7 +323,8 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
     throw nb::value_error("qweight does not match x's K (int4: [N, K/2])");
   Output out = epilogue_and_output(args, &pg::MixedLinearArgs::y, args.x.rows, args.w.n, bias, act, dt, w, "x", bf16_bits);
   check(pg::validate_mixed_linear(args));
-  run(args, w, stream, &pg::cpu::mixed_linear, &pg::cuda::mixed_linear);
+  // CUDA: the torch binding's paths, with the scratch they need from the device's memory pool
+  run(args, w, stream, &pg::cpu::mixed_linear, &pg::cuda::mixed_linear_pooled);
   return out.to_python(x_obj, bf16_bits);
 }
 

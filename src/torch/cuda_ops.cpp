@@ -27,47 +27,32 @@ struct CudaBackend {
   static void run(const GemmArgs& a, const Tensor& like, const char*) {
     launch(a, like, cuda::gemm);
   }
-  // More rows of x than the small-M kernels take (f16 / bf16 x, M > 16, or more than the
-  // sliced tensor-core GEMV takes, cuda::mixed_linear_small_m), or small-M rows the sm_90
-  // GEMM runs faster (cuda::mixed_linear_sm90_preferred): on sm_90 the library's fused
-  // CUTLASS mixed-input GEMM when it applies; otherwise dequantise the weight into a
-  // temporary, multiply with torch's own matmul (cuBLAS) and apply bias and activation while
-  // storing. The library's mma.sync GEMM reaches ~0.2x cuBLAS there (bench/GPU_NOTES.md,
-  // run 15); the temporary costs one extra write + read of the weight in 16 bits per call.
-  // Weights whose 16-bit copy would exceed kMaxTempBytes keep the library's GEMM off sm_90:
-  // splitting them into row chunks was measured 7x slower (run 17: chunks of 4681 rows gave
-  // cuBLAS an odd leading dimension).
-  static constexpr int64_t kMaxTempBytes = int64_t(512) << 20;
+  // The path is the library's choice for callers that lend scratch memory
+  // (cuda::mixed_linear_path): the small-M kernels, or on sm_90 the fused CUTLASS
+  // mixed-input GEMM with its workspace, or the weight dequantised into a temporary, torch's
+  // own matmul (cuBLAS) and bias and activation applied while storing. The temporary costs
+  // one extra write + read of the weight in 16 bits per call.
   static void run(const MixedLinearArgs& a, const Tensor& x, const char*) {
-    const bool half = a.x.dtype == DType::f16 || a.x.dtype == DType::bf16;
-    const int64_t N = a.w.n, K = a.w.k;
-    // x's device is current from here on: the choices below read the current device's facts
+    // x's device is current from here on: the choice reads the current device's facts
     const int32_t device = x.get_device_index();
     torch::stable::accelerator::DeviceGuard guard(device);
-    const bool small_m = cuda::mixed_linear_small_m(a) && !cuda::mixed_linear_sm90_preferred(a);
-    if (small_m || !half || K == 0) {
-      launch(a, x, cuda::mixed_linear);
-      return;
-    }
-    // sm_90: the fused mixed-input kernel reads the quantised weight as stored; it needs at
-    // most a small workspace (the scales transposed unless they are read as stored, the
-    // stream-K partial sums). It beat dequantise + GEMM at every M measured
-    // (bench/GPU_NOTES.md, run 20).
-    const int64_t ws = cuda::mixed_linear_sm90_workspace(a);
-    if (ws < 0 && N > kMaxTempBytes / (2 * K)) {
+    int64_t bytes = 0;
+    const cuda::MixedLinearPath path = cuda::mixed_linear_path(a, &bytes);
+    if (path == cuda::MixedLinearPath::kernels) {
       launch(a, x, cuda::mixed_linear);
       return;
     }
     void* stream = compat::current_cuda_stream(device);
-    if (ws == 0) {  // per-channel scales read as stored, no stream-K: no workspace
-      PG_CUDA_CHECK(cuda::mixed_linear_sm90(a, nullptr, stream).code);
-      return;
-    }
-    if (ws > 0) {
-      Tensor scratch = compat::new_output(x, {ws / 2}, x.scalar_type());
+    if (path == cuda::MixedLinearPath::sm90) {
+      if (bytes == 0) {  // per-channel scales read as stored, no stream-K: no workspace
+        PG_CUDA_CHECK(cuda::mixed_linear_sm90(a, nullptr, stream).code);
+        return;
+      }
+      Tensor scratch = compat::new_output(x, {bytes / 2}, x.scalar_type());
       PG_CUDA_CHECK(cuda::mixed_linear_sm90(a, compat::mutable_data(scratch), stream).code);
       return;
     }
+    const int64_t N = a.w.n, K = a.w.k;
     Tensor w = compat::new_output(x, {N, K}, x.scalar_type());
     PG_CUDA_CHECK(cuda::dequantize_rows(a.w, 0, N, Matrix{compat::mutable_data(w), N, K, K, 1, a.x.dtype},
                                         stream).code);

@@ -338,6 +338,61 @@ void test_sm90_size_rule() {
           (long long)c.rows, (long long)c.bytes, c.gemm);
 }
 
+// The path a caller that lends scratch memory takes (cuda::mixed_linear_path: the torch
+// binding's, and the DLPack door's through mixed_linear_pooled): the small-M kernels where
+// they take the rows, else the sm_90 GEMM where it applies on the current device (a GPU
+// with it, when this runs on one), else dequantise + dense GEMM up to a 512 MiB copy, else
+// the library's own GEMM. Host-side; pointers are only checked for alignment.
+void test_cuda_path_rule() {
+  if (!has_cuda()) return;  // the stub library answers "kernels" throughout
+  alignas(256) static unsigned char buf[64];
+  auto args = [&](int64_t m, int64_t k, int64_t n, int bits, int64_t gs, DType xt) {
+    MixedLinearArgs a;
+    a.x = ConstMatrix{buf, m, k, k, 1, xt};
+    a.w = QuantizedWeight{buf, n, k, k * bits / 8, bits, gs, buf, gs ? k / gs : 1, DType::bf16};
+    a.y = Matrix{buf, m, n, n, 1, xt};
+    return a;
+  };
+  using P = cuda::MixedLinearPath;
+  // Does the current device take the sm_90 GEMM (an sm_90 GPU, built with it, not disabled)?
+  const bool sm90_here = cuda::mixed_linear_sm90_workspace(args(100, 8192, 8192, 4, 128, DType::bf16)) >= 0;
+  struct Case {
+    int64_t m, k, n;
+    int bits;
+    int64_t gs;
+    DType xt;
+    P off_sm90, on_sm90;
+  };
+  const P K_ = P::kernels, S = P::sm90, D = P::dequantize_gemm;
+  const Case cases[] = {
+      {16, 8192, 8192, 4, 128, DType::bf16, K_, K_},  // the small-M kernels
+      {48, 4096, 4096, 4, 128, DType::bf16, K_, K_},  // the GEMV (8 MiB: the sm_90 size rule says no)
+      {48, 11008, 4096, 4, 128, DType::bf16, K_, S},  // 21.5 MiB: the size rule says yes
+      {100, 8192, 8192, 4, 128, DType::f32, K_, K_},  // f32 x: the exact SIMT GEMM
+      {100, 0, 8192, 8, 0, DType::bf16, K_, K_},      // K = 0
+      {100, 8192, 8192, 4, 128, DType::bf16, D, S},
+      {65, 4096, 4096, 8, 0, DType::f16, D, S},
+      {100, 4096, 12288, 4, 32, DType::bf16, D, D},   // g32: the sm_90 GEMM refuses it
+      {100, 4096, 12300, 8, 0, DType::bf16, D, D},    // N % 8 != 0: refused too
+      {100, 8192, 32768, 4, 128, DType::bf16, D, S},  // a 512 MiB copy exactly
+      {100, 8192, 32776, 4, 128, DType::bf16, K_, S},  // 8 rows more: the library's own GEMM off sm_90
+      {100, 8192, 32776, 4, 32, DType::bf16, K_, K_},
+  };
+  for (const Case& c : cases) {
+    const MixedLinearArgs a = args(c.m, c.k, c.n, c.bits, c.gs, c.xt);
+    int64_t bytes = -1;
+    const P path = cuda::mixed_linear_path(a, &bytes);
+    const P want = sm90_here ? c.on_sm90 : c.off_sm90;
+    const int64_t want_bytes =
+        want == S ? cuda::mixed_linear_sm90_workspace(a) : want == D ? c.n * c.k * 2 : 0;
+    CHECK(path == want && bytes == want_bytes,
+          "mixed_linear_path(M %lld, K %lld, N %lld, int%d, g%lld) = %d with %lld bytes, want %d with %lld "
+          "(sm_90 GEMM here: %d)",
+          (long long)c.m, (long long)c.k, (long long)c.n, c.bits, (long long)c.gs, (int)path, (long long)bytes,
+          (int)want, (long long)want_bytes, sm90_here);
+  }
+}
+
 std::atomic<int64_t> g_sum{0};
 void add_range(void* nested, int64_t b, int64_t e) {
   for (int64_t i = b; i < e; ++i) g_sum += i;
@@ -472,6 +527,7 @@ int main() {
   test_validation();
   test_cuda_small_m_rule();
   test_sm90_size_rule();
+  test_cuda_path_rule();
   test_executor();
   test_pool_size();
   std::printf(g_failures ? "%d FAILURES\n" : "all passed\n", g_failures);

@@ -6,6 +6,7 @@ import sys
 import torch
 
 import portable_gemm as pg
+from portable_gemm import dlpack
 
 # --initcheck: leave out the calls whose result is read back after a TMA store (cuBLAS's and
 # CUTLASS's sm_90 kernels write with cp.async.bulk, which initcheck does not track: every
@@ -46,11 +47,27 @@ if not INITCHECK:
     w = torch.randn(4352, 256, device=dev, dtype=torch.bfloat16)
     q, s = pg.quantize_weight(w, bits=4, group_size=128)
     pg.mixed_linear(torch.randn(200, 256, device=dev, dtype=torch.bfloat16), q, s, bits=4, group_size=128)
-    # the 64-wide tile (stream-K): M = 33..64 reaches the GEMM above 16 MiB of weight (17 here)
-    w = torch.randn(264, 131072, device=dev, dtype=torch.bfloat16)
-    q, s = pg.quantize_weight(w, bits=4, group_size=128)
-    del w
-    pg.mixed_linear(torch.randn(48, 131072, device=dev, dtype=torch.bfloat16), q, s, bits=4, group_size=128)
-    n_calls += 2
+    n_calls += 1
+# M = 33..64 on a weight above 16 MiB (17 here): g128 takes the sm_90 GEMM's 64-wide tile
+# (stream-K) where it is on (memcheck, racecheck) and the small-M GEMV in slices where it is
+# off (initcheck); g32, which that GEMM refuses (a group spans whole 64-wide k-blocks), takes
+# the GEMV under every tool.
+w = torch.randn(264, 131072, device=dev, dtype=torch.bfloat16)
+x = torch.randn(48, 131072, device=dev, dtype=torch.bfloat16)
+for group in (128, 32):
+    q, s = pg.quantize_weight(w, bits=4, group_size=group)
+    pg.mixed_linear(x, q, s, bits=4, group_size=group)
+    n_calls += 1
+# The DLPack door at M > 64 (cuda::mixed_linear_pooled): scratch from the device's pool, the
+# sm_90 GEMM (g128 where it is on) or dequantise + the library's gemm (g32; g128 under
+# initcheck), with bias and activation.
+stream = torch.cuda.current_stream().cuda_stream
+w = torch.randn(264, 512, device=dev, dtype=torch.bfloat16)
+x = torch.randn(100, 512, device=dev, dtype=torch.bfloat16)
+for group in (128, 32):
+    q, s = pg.quantize_weight(w, bits=4, group_size=group)
+    dlpack.mixed_linear(x, q, s, 4, group_size=group, bias=torch.randn(264, device=dev, dtype=torch.bfloat16),
+                        activation="gelu", stream=stream)
+    n_calls += 1
 torch.cuda.synchronize()
 print(f"sanitize_ops: {n_calls} op calls completed on {torch.cuda.get_device_name()}")

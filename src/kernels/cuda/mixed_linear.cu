@@ -8,11 +8,12 @@
 //                   of 32 rows (tcv_four).
 //   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
 //   more rows, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the
-//                   fly (the torch binding sends these to the sm_90 CUTLASS GEMM or to
-//                   dequantize_rows + torch's matmul instead, see src/torch/cuda_ops.cpp and
-//                   mixed_linear_small_m; the DLPack door runs this one). On sm_90 the
-//                   binding also sends the CUTLASS GEMM M = 17..32 from 48 MiB of weight
-//                   and M = 33..64 above 16 MiB (mixed_linear_sm90_preferred).
+//                   fly. Callers that lend scratch memory (the torch binding; the DLPack
+//                   door through mixed_linear_pooled) send these to the sm_90 CUTLASS GEMM
+//                   or to dequantize_rows + a dense GEMM instead (mixed_linear_path), and
+//                   on sm_90 also M = 17..32 from 48 MiB of weight and M = 33..64 above
+//                   16 MiB (mixed_linear_sm90_preferred); this one keeps weights whose
+//                   16-bit copy would exceed 512 MiB where the sm_90 GEMM does not apply.
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
 

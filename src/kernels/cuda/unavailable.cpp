@@ -22,6 +22,11 @@ Status bias_act_store(ConstMatrix, int64_t, const void*, int64_t, Activation, Ma
 int64_t mixed_linear_sm90_workspace(const MixedLinearArgs&) { return -1; }
 bool mixed_linear_sm90_preferred(const MixedLinearArgs&) { return false; }
 Status mixed_linear_sm90(const MixedLinearArgs&, void*, void*) { return unavailable(); }
+MixedLinearPath mixed_linear_path(const MixedLinearArgs&, int64_t* scratch_bytes) {
+  *scratch_bytes = 0;
+  return MixedLinearPath::kernels;  // whose call answers "built without CUDA"
+}
+Status mixed_linear_pooled(const MixedLinearArgs&, void*) { return unavailable(); }
 Status device_alloc(void**, size_t, int32_t) { return unavailable(); }
 void device_free(void*, int32_t) {}
 Status set_device(int32_t, int32_t*) { return unavailable(); }

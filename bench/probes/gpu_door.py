@@ -1,0 +1,128 @@
+"""The DLPack door's weight-only linear at M > 64 on the GPU, against the torch op and bf16
+F.linear in the same process, and across two builds (run 61).
+
+Each `run` process times, per case, `portable_gemm.dlpack.mixed_linear` (torch tensors in, on
+torch's current stream), `pg.mixed_linear` and bf16 `F.linear` with CUDA events around
+back-to-back calls (eager: the door allocates its output with cudaMalloc, so it cannot be
+captured in a CUDA graph), weights rotated past L2, random inputs, and saves the door's
+output per case. Run it alternately under each build's PYTHONPATH, then compare:
+
+    PYTHONPATH=SITE_A python bench/probes/gpu_door.py run --tag A --out DIR
+    PYTHONPATH=SITE_B python bench/probes/gpu_door.py run --tag B --out DIR
+    ... (more rounds: the files are appended to)
+    python bench/probes/gpu_door.py compare --out DIR A B
+
+`compare` prints, per case, the best time of each build over the rounds, B / A for the door,
+each build's door and torch op against F.linear, and how far B's door output is from A's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+# (K, N, bits, group, M): the sm_90 GEMM's arguments (g128, per channel), ones it refuses
+# (g32, N % 8 != 0), M from just past the small-M kernels to prefill sizes.
+CASES = [
+    (k, n, bits, g, m)
+    for (k, n) in [(8192, 8192), (4096, 12288)]
+    for bits, g in [(4, 128), (4, 32), (8, 0)]
+    for m in (65, 256, 1024, 4096)
+] + [(28672, 8192, 4, 128, m) for m in (256, 4096)] + [(8192, 8196, 8, 0, m) for m in (256, 1024)]
+
+
+def name(c) -> str:
+    k, n, bits, g, m = c
+    return f"({k},{n}) int{bits} g{g or 'ch'} M={m}"
+
+
+def run(tag: str, out: Path) -> None:
+    import portable_gemm as pg
+    from portable_gemm import dlpack
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gpu_bench import copies_for, event_time_us
+
+    res, outs = {}, {}
+    for c in CASES:
+        k, n, bits, g, m = c
+        gen = torch.Generator(device="cuda").manual_seed(1234)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q, s = pg.quantize_weight(w, bits=bits, group_size=g or None)
+        stream = torch.cuda.current_stream().cuda_stream
+        outs[name(c)] = dlpack.mixed_linear(x, q, s, bits, group_size=g or None, stream=stream).float().cpu()
+        nq = copies_for(q.numel() * q.element_size() + s.numel() * s.element_size())
+        qs = [(q, s)] + [(q.clone(), s.clone()) for _ in range(nq - 1)]
+        ws = [w] + [w.clone() for _ in range(min(nq, 4) - 1)]
+
+        def door(i=0):
+            qq, ss = qs[i % nq]
+            return dlpack.mixed_linear(x, qq, ss, bits, group_size=g or None, stream=stream)
+
+        def op(i=0):
+            qq, ss = qs[i % nq]
+            return pg.mixed_linear(x, qq, ss, bits=bits, group_size=g or None)
+
+        def ref(i=0):
+            return torch.nn.functional.linear(x, ws[i % len(ws)])
+
+        iters = 10 if m >= 1024 else 40
+        res[name(c)] = {"door_us": event_time_us(door, iters, reps=5)[0], "op_us": event_time_us(op, iters, reps=5)[0],
+                        "ref_us": event_time_us(ref, iters, reps=5)[0]}
+        r = res[name(c)]
+        print(f"{tag} {name(c):32s} door {r['door_us']:9.1f} us  op {r['op_us']:9.1f} us  "
+              f"F.linear {r['ref_us']:9.1f} us  door x F.linear {r['ref_us'] / r['door_us']:.2f}", flush=True)
+        del qs, ws
+        torch.cuda.empty_cache()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"door_{tag}.jsonl", "a") as f:
+        f.write(json.dumps(res) + "\n")
+    torch.save(outs, out / f"door_{tag}_outputs.pt")
+
+
+def compare(out: Path, a: str, b: str) -> None:
+    def best(tag):
+        rounds = [json.loads(line) for line in open(out / f"door_{tag}.jsonl")]
+        return {c: {key: min(r[c][key] for r in rounds) for key in rounds[0][c]} for c in rounds[0]}, len(rounds)
+
+    ra, na = best(a)
+    rb, nb = best(b)
+    oa = torch.load(out / f"door_{a}_outputs.pt")
+    ob = torch.load(out / f"door_{b}_outputs.pt")
+    print(f"best of {na} ({a}) / {nb} ({b}) rounds, eager; x F.linear above 1: faster than bf16 F.linear")
+    print(f"| case | door {a} us | door {b} us | {b} / {a} | door {a} x F.linear | door {b} x F.linear | "
+          f"op x F.linear ({b}) | max abs diff / max abs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in ra:
+        A, B = ra[c], rb[c]
+        diff = ((ob[c] - oa[c]).abs().max() / oa[c].abs().max()).item()
+        print(f"| {c} | {A['door_us']:.1f} | {B['door_us']:.1f} | {B['door_us'] / A['door_us']:.3f} | "
+              f"{A['ref_us'] / A['door_us']:.2f} | {B['ref_us'] / B['door_us']:.2f} | {B['ref_us'] / B['op_us']:.2f} | "
+              f"{diff:.1e} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--tag", required=True)
+    r.add_argument("--out", type=Path, required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("a")
+    c.add_argument("b")
+    args = ap.parse_args()
+    if args.cmd == "run":
+        run(args.tag, args.out)
+    else:
+        compare(args.out, args.a, args.b)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
