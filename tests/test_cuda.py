@@ -335,6 +335,29 @@ def test_dlpack_mixed_linear_many_rows_paths(m, k, n, bits, group, dtype):
     took_dequant = any("dequantize" in name for name in names)
     took_cutlass = any("cutlass" in name for name in names)
     assert (took_cutlass and not took_dequant) if sm90 else took_dequant, names
+# N not a multiple of the tensor-core GEMV's block of rows (32; 16 for int8 at M > 16): the
+# last block is moved back to end at row N and shares rows with the block before it, which
+# both store. Every row must be right, the shared rows bit-equal to a run on the first N - r
+# rows alone, and no SIMT GEMV may run (its one block walked all of K for the last N % 32
+# rows: 10x bf16 F.linear's time at N = 8196; bench/GPU_NOTES.md, runs 61b and 62).
+@pytest.mark.parametrize("m", [1, 8, 16, 24, 48, 64])
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, None), (4, 32), (8, None), (8, 64)], ids=str)
+@pytest.mark.parametrize("n", [33, 1000, 4100])
+def test_mixed_linear_gemv_rows_not_a_multiple_of_the_block(m, bits, group, n):
+    k = 1024
+    w = rand((n, k), torch.bfloat16, "cuda")
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    x = rand((m, k), torch.bfloat16, "cuda")
+    names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=bits, group_size=group))
+    assert any("gemv_tc" in name for name in names) and not any("gemv_kernel" in name for name in names), names
+    out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
+    assert_close(out, x.double() @ dequant_ref(q, s, bits, group).T, torch.bfloat16)
+    whole = n // 32 * 32  # the rows of whole blocks, as a weight of its own
+    head = pg.mixed_linear(x, q[:whole].contiguous(), s[:whole].contiguous(), bits=bits, group_size=group)
+    assert torch.equal(out[:, :whole], head)
+    assert torch.equal(out, pg.mixed_linear(x, q, s, bits=bits, group_size=group))
+
+
 # Per-channel scales: on sm_90 the mixed-input kernel reads them as stored when they are in
 # x's dtype, contiguous and 16-byte aligned ([N] is then already the [1, N] it wants), and
 # transposes them into its workspace otherwise. Both with the stream-K scheduler (M = 100,

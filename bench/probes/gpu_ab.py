@@ -134,6 +134,16 @@ REFUSED_CASES = [
 ] + [
     (8192, 8196, bits, g, m, "bf16") for (bits, g) in [(4, 128), (8, 0)] for m in (48, 64, 65)
 ] + [(8192, 8192, 4, 128, 48, "bf16")]
+# --cases tail: N not a multiple of the GEMV's 32-row block, where its last rows took the
+# SIMT GEMV until run 62 (now a block moved back to end at row N), plus controls with N a
+# multiple of 32, whose kernels change by one min() at the start.
+TAIL_CASES = [
+    (k, n, bits, g, m, "bf16")
+    for (k, n) in [(8192, 8196), (4096, 32001), (4096, 4100)]
+    for bits, g in [(4, 128), (8, 0)]
+    for m in (1, 16, 48)
+] + [(k, n, bits, g, m, "bf16") for (k, n) in [(8192, 8192), (28672, 8192)] for bits, g in [(4, 128), (8, 0)]
+     for m in (1, 16, 24)]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -237,9 +247,9 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused"], default="small",
+    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail"], default="small",
                    help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32; "
-                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments")
+                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N % 32 != 0")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
@@ -255,7 +265,7 @@ def main() -> int:
         return 0
     if args.cmd == "run":
         run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES,
-             "mid2": MID2_CASES, "refused": REFUSED_CASES}[args.cases])
+             "mid2": MID2_CASES, "refused": REFUSED_CASES, "tail": TAIL_CASES}[args.cases])
     else:
         compare(args.out, args.a, args.b)
     return 0

@@ -2,7 +2,7 @@
 // [N, K/2] with per-channel or group-wise scales (f32 / f16 / bf16).
 //   M <= 16, f16/bf16 x (aligned, K % 128 (int4) / 64 (int8) == 0): tensor-core GEMV
 //                   (mma.sync, weight dequantised in registers into the A fragment) over
-//                   whole blocks of 32 rows; the last N % 32 rows on the SIMT GEMV.
+//                   blocks of 32 rows (the last one moved back to end at row N).
 //   16 < M <= GEMV_SLICED_MAX_M, same conditions: the same GEMV over x in slices of 16
 //                   rows, one launch (see gemv_tc_kernel); int8 with four x tiles in slices
 //                   of 32 rows (tcv_four).
@@ -455,8 +455,8 @@ struct TcvParams {
 };
 
 // Streaming 16-byte weight load: read once, keep it out of L1 (x lives there). No bound
-// test: the kernel only runs over whole blocks of rows (launch_gemv_tc sends the last
-// N % ROWS rows to the SIMT GEMV).
+// test: every block's rows lie inside the weight (the last block is moved back to end at
+// row N, see gemv_tc_kernel).
 __device__ __forceinline__ void ldg_stream(uint32_t (&r)[4], const void* p) {
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -566,8 +566,8 @@ __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
   }
 }
 
-// Preconditions (gemv_tc_ok, launch_gemv_tc): p.N % ROWS == 0, K % CHUNK == 0, S the
-// scales' element type.
+// Preconditions (gemv_tc_ok, launch_gemv_tc): p.N >= ROWS, K % CHUNK == 0, S the scales'
+// element type.
 // RT_: 16-row weight tiles per warp (a block's rows are 16 RT_).
 template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF, bool SLICED = false,
           int RT_ = tcv::RT>
@@ -581,7 +581,11 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // SLICED: block b multiplies rows r0 .. r0 + 8 MT - 1 of x (slices of 16 rows, or of 32
   // with four x tiles); otherwise all M <= 8 MT rows (a variant of its own: at the register
   // cap, the slice's offset cost spills).
-  const int64_t n0 = static_cast<int64_t>(SLICED ? blockIdx.x / p.slices : blockIdx.x) * (16 * RT);
+  // Where N % (16 RT) != 0, the last block starts at N - 16 RT instead, over rows the block
+  // before it also has: both compute them with the same MMAs in the same order and store
+  // the same values. So every block is whole and the loop carries no row bounds.
+  const int64_t n0 = min(static_cast<int64_t>(SLICED ? blockIdx.x / p.slices : blockIdx.x) * (16 * RT),
+                         p.N - 16 * RT);
   const int r0 = SLICED ? static_cast<int>(blockIdx.x % p.slices) * (8 * MT) : 0;
   const int64_t nchunks = p.K / CHUNK;
   const T* xg = static_cast<const T*>(p.x);
@@ -853,18 +857,18 @@ void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t 
   }
 }
 
-// Launches gemv_tc_kernel over p.N rows (a multiple of tcv::ROWS, or of tcv::FOUR_ROWS where
-// tcv_four) and p.slices slices of x.
+// Launches gemv_tc_kernel over p.N >= tcv::ROWS rows (tcv::FOUR_ROWS where tcv_four), in
+// ceil(N / rows) blocks of rows, and p.slices slices of x.
 template <typename T, typename S, int BITS>
 Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
-  const int64_t blocks = p.N / tcv::ROWS * p.slices;
+  const int64_t blocks = ceil_div(p.N, tcv::ROWS) * p.slices;
   if (blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
   const unsigned nb = static_cast<unsigned>(blocks);
   // int4 with whole-chunk scales (per channel or groups of >= 128): the offset form.
   const bool offset = BITS == 4 && p.mode != 2;
   if constexpr (BITS == 8) {  // tcv_four: no int4 kernel with four x tiles is built
     if (tcv_four<BITS>(p.M)) {
-      const int64_t four_blocks = p.N / tcv::FOUR_ROWS * p.slices;
+      const int64_t four_blocks = ceil_div(p.N, tcv::FOUR_ROWS) * p.slices;
       if (four_blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
       const unsigned fb = static_cast<unsigned>(four_blocks);
       if (p.slices == 1)
@@ -926,27 +930,23 @@ static QuantParams quant_params(const MixedLinearArgs& args) {
 constexpr int64_t GEMV_MAX_M = 16;
 constexpr int64_t GEMV_SLICED_MAX_M = 64;
 
-// The SIMT GEMV (M <= 16; more rows in slices of 16) over output channels [n_begin, N).
-static Status gemv_simt(const MixedLinearArgs& args, int64_t n_begin, cudaStream_t stream) {
+// The SIMT GEMV (M <= 16; more rows in slices of 16).
+static Status gemv_simt(const MixedLinearArgs& args, cudaStream_t stream) {
   GemvParams p;
   p.w = quant_params(args);
-  p.w.q += n_begin * p.w.q_rs;
-  p.w.scales = static_cast<const char*>(p.w.scales) +
-               n_begin * p.w.s_rs * static_cast<int64_t>(dtype_size(args.w.scales_dtype));
-  p.w.N -= n_begin;
   const int64_t xb = static_cast<int64_t>(dtype_size(args.x.dtype));
   p.x = args.x.data;
   p.x_rs = args.x.row_stride;
   p.x_cs = args.x.col_stride;
   p.x_dt = static_cast<int>(args.x.dtype);
-  p.bias = args.bias ? static_cast<const char*>(args.bias) + n_begin * args.bias_stride * xb
-                     : nullptr;
+  p.bias = args.bias;
   p.bias_stride = args.bias_stride;
-  p.y = static_cast<char*>(args.y.data) + n_begin * args.y.col_stride * xb;
+  p.y = args.y.data;
   p.y_rs = args.y.row_stride;
   p.y_cs = args.y.col_stride;
   p.act = static_cast<int>(args.activation);
-  // M > 16 (the sliced tensor-core GEMV's last N % 32 rows): one launch per 16 rows of x.
+  // M > 16 (fewer weight rows than a block of the sliced tensor-core GEMV): one launch per
+  // 16 rows of x.
   for (int64_t r0 = 0; r0 < args.x.rows; r0 += GEMV_MAX_M) {
     GemvParams ps = p;
     ps.x = static_cast<const char*>(args.x.data) + r0 * args.x.row_stride * xb;
@@ -1003,23 +1003,21 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.y = a.y.data;
   p.y_rs = a.y.row_stride;
   p.y_cs = a.y.col_stride;
-  // Whole blocks of rows here; the last N % ROWS rows (if any) on the SIMT GEMV, so that
-  // the kernel's loop carries no row bounds.
+  // Whole blocks of rows, the last one moved back to end at row N (gemv_tc_kernel). Fewer
+  // rows than a block: the SIMT GEMV. Until run 62 the last N % ROWS rows took the SIMT
+  // GEMV, whose one block walks all of K for them: (8196, 8192) int4 g128 at M = 48 took
+  // 527 us against bf16 F.linear's 54 (bench/GPU_NOTES.md, run 61b).
   const bool four = tcv_four<BITS>(a.x.rows);
   const int64_t rows = four ? tcv::FOUR_ROWS : tcv::ROWS;
-  p.N = a.w.n / rows * rows;
+  if (a.w.n < rows) return gemv_simt(a, stream);
+  p.N = a.w.n;
   p.K = a.x.cols;
   p.M = static_cast<int>(a.x.rows);
   p.act = static_cast<int>(a.activation);
   // slices of 8 MT rows of x, as gemv_tc_kernel takes them (MT = 4 with tcv_four, else 2)
   p.slices = static_cast<int>(ceil_div(a.x.rows, four ? 2 * GEMV_MAX_M : GEMV_MAX_M));
-  if (p.N > 0) {
-    const Status st = a.x.dtype == DType::f16
-                          ? launch_gemv_tc<__half, BITS>(p, a.w.scales_dtype, stream)
-                          : launch_gemv_tc<__nv_bfloat16, BITS>(p, a.w.scales_dtype, stream);
-    if (!st.ok()) return st;
-  }
-  return p.N < a.w.n ? gemv_simt(a, p.N, stream) : Status{};
+  return a.x.dtype == DType::f16 ? launch_gemv_tc<__half, BITS>(p, a.w.scales_dtype, stream)
+                                 : launch_gemv_tc<__nv_bfloat16, BITS>(p, a.w.scales_dtype, stream);
 }
 
 }  // namespace detail
@@ -1070,7 +1068,7 @@ Status mixed_linear(const MixedLinearArgs& args, void* stream_ptr) {
   if (mixed_linear_small_m(args)) {
     if (qp.bits == 4 ? gemv_tc_ok<4>(args) : gemv_tc_ok<8>(args))
       return qp.bits == 4 ? gemv_tc_dispatch<4>(args, stream) : gemv_tc_dispatch<8>(args, stream);
-    return gemv_simt(args, 0, stream);
+    return gemv_simt(args, stream);
   }
 
   Epilogue ep;
