@@ -336,10 +336,11 @@ def test_dlpack_mixed_linear_many_rows_paths(m, k, n, bits, group, dtype):
     took_cutlass = any("cutlass" in name for name in names)
     assert (took_cutlass and not took_dequant) if sm90 else took_dequant, names
 # N not a multiple of the tensor-core GEMV's block of rows (32; 16 for int8 at M > 16): the
-# last block is moved back to end at row N and shares rows with the block before it, which
-# both store. Every row must be right, the shared rows bit-equal to a run on the first N - r
-# rows alone, and no SIMT GEMV may run (its one block walked all of K for the last N % 32
-# rows: 10x bf16 F.linear's time at N = 8196; bench/GPU_NOTES.md, runs 61b and 62).
+# last N % 32 rows run as one more whole block that ends at row N and shares rows with the
+# last block before it; both store them. Every row must be right, the shared rows bit-equal
+# to a run on the whole blocks alone, and no SIMT GEMV may run (its one block walked all of
+# K for the last N % 32 rows: 10x bf16 F.linear's time at N = 8196; bench/GPU_NOTES.md,
+# runs 61b and 62).
 @pytest.mark.parametrize("m", [1, 8, 16, 24, 48, 64])
 @pytest.mark.parametrize("bits,group", [(4, 128), (4, None), (4, 32), (8, None), (8, 64)], ids=str)
 @pytest.mark.parametrize("n", [33, 1000, 4100])

@@ -135,8 +135,8 @@ REFUSED_CASES = [
     (8192, 8196, bits, g, m, "bf16") for (bits, g) in [(4, 128), (8, 0)] for m in (48, 64, 65)
 ] + [(8192, 8192, 4, 128, 48, "bf16")]
 # --cases tail: N not a multiple of the GEMV's 32-row block, where its last rows took the
-# SIMT GEMV until run 62 (now a block moved back to end at row N), plus controls with N a
-# multiple of 32, whose kernels change by one min() at the start.
+# SIMT GEMV until run 62 (now one more whole block of the tensor-core GEMV, ending at row
+# N), plus controls with N a multiple of 32.
 TAIL_CASES = [
     (k, n, bits, g, m, "bf16")
     for (k, n) in [(8192, 8196), (4096, 32001), (4096, 4100)]

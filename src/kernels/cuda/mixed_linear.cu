@@ -2,7 +2,8 @@
 // [N, K/2] with per-channel or group-wise scales (f32 / f16 / bf16).
 //   M <= 16, f16/bf16 x (aligned, K % 128 (int4) / 64 (int8) == 0): tensor-core GEMV
 //                   (mma.sync, weight dequantised in registers into the A fragment) over
-//                   blocks of 32 rows (the last one moved back to end at row N).
+//                   whole blocks of 32 rows, then the last N % 32 rows as one more whole
+//                   block ending at row N.
 //   16 < M <= GEMV_SLICED_MAX_M, same conditions: the same GEMV over x in slices of 16
 //                   rows, one launch (see gemv_tc_kernel); int8 with four x tiles in slices
 //                   of 32 rows (tcv_four).
@@ -455,8 +456,8 @@ struct TcvParams {
 };
 
 // Streaming 16-byte weight load: read once, keep it out of L1 (x lives there). No bound
-// test: every block's rows lie inside the weight (the last block is moved back to end at
-// row N, see gemv_tc_kernel).
+// test: the kernel only runs over whole blocks of rows (gemv_tc_dispatch runs the last
+// N % ROWS rows as one more whole block).
 __device__ __forceinline__ void ldg_stream(uint32_t (&r)[4], const void* p) {
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -566,8 +567,8 @@ __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
   }
 }
 
-// Preconditions (gemv_tc_ok, launch_gemv_tc): p.N >= ROWS, K % CHUNK == 0, S the scales'
-// element type.
+// Preconditions (gemv_tc_ok, launch_gemv_tc): p.N % ROWS == 0, K % CHUNK == 0, S the
+// scales' element type.
 // RT_: 16-row weight tiles per warp (a block's rows are 16 RT_).
 template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF, bool SLICED = false,
           int RT_ = tcv::RT>
@@ -581,11 +582,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // SLICED: block b multiplies rows r0 .. r0 + 8 MT - 1 of x (slices of 16 rows, or of 32
   // with four x tiles); otherwise all M <= 8 MT rows (a variant of its own: at the register
   // cap, the slice's offset cost spills).
-  // Where N % (16 RT) != 0, the last block starts at N - 16 RT instead, over rows the block
-  // before it also has: both compute them with the same MMAs in the same order and store
-  // the same values. So every block is whole and the loop carries no row bounds.
-  const int64_t n0 = min(static_cast<int64_t>(SLICED ? blockIdx.x / p.slices : blockIdx.x) * (16 * RT),
-                         p.N - 16 * RT);
+  const int64_t n0 = static_cast<int64_t>(SLICED ? blockIdx.x / p.slices : blockIdx.x) * (16 * RT);
   const int r0 = SLICED ? static_cast<int>(blockIdx.x % p.slices) * (8 * MT) : 0;
   const int64_t nchunks = p.K / CHUNK;
   const T* xg = static_cast<const T*>(p.x);
@@ -857,18 +854,18 @@ void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t 
   }
 }
 
-// Launches gemv_tc_kernel over p.N >= tcv::ROWS rows (tcv::FOUR_ROWS where tcv_four), in
-// ceil(N / rows) blocks of rows, and p.slices slices of x.
+// Launches gemv_tc_kernel over p.N rows (a multiple of tcv::ROWS, or of tcv::FOUR_ROWS where
+// tcv_four) and p.slices slices of x.
 template <typename T, typename S, int BITS>
 Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
-  const int64_t blocks = ceil_div(p.N, tcv::ROWS) * p.slices;
+  const int64_t blocks = p.N / tcv::ROWS * p.slices;
   if (blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
   const unsigned nb = static_cast<unsigned>(blocks);
   // int4 with whole-chunk scales (per channel or groups of >= 128): the offset form.
   const bool offset = BITS == 4 && p.mode != 2;
   if constexpr (BITS == 8) {  // tcv_four: no int4 kernel with four x tiles is built
     if (tcv_four<BITS>(p.M)) {
-      const int64_t four_blocks = ceil_div(p.N, tcv::FOUR_ROWS) * p.slices;
+      const int64_t four_blocks = p.N / tcv::FOUR_ROWS * p.slices;
       if (four_blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
       const unsigned fb = static_cast<unsigned>(four_blocks);
       if (p.slices == 1)
@@ -1003,21 +1000,38 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.y = a.y.data;
   p.y_rs = a.y.row_stride;
   p.y_cs = a.y.col_stride;
-  // Whole blocks of rows, the last one moved back to end at row N (gemv_tc_kernel). Fewer
-  // rows than a block: the SIMT GEMV. Until run 62 the last N % ROWS rows took the SIMT
-  // GEMV, whose one block walks all of K for them: (8196, 8192) int4 g128 at M = 48 took
-  // 527 us against bf16 F.linear's 54 (bench/GPU_NOTES.md, run 61b).
+  // Whole blocks of rows, so that the kernel carries no row bounds; fewer rows than a block
+  // take the SIMT GEMV.
   const bool four = tcv_four<BITS>(a.x.rows);
   const int64_t rows = four ? tcv::FOUR_ROWS : tcv::ROWS;
   if (a.w.n < rows) return gemv_simt(a, stream);
-  p.N = a.w.n;
+  p.N = a.w.n / rows * rows;
   p.K = a.x.cols;
   p.M = static_cast<int>(a.x.rows);
   p.act = static_cast<int>(a.activation);
   // slices of 8 MT rows of x, as gemv_tc_kernel takes them (MT = 4 with tcv_four, else 2)
   p.slices = static_cast<int>(ceil_div(a.x.rows, four ? 2 * GEMV_MAX_M : GEMV_MAX_M));
-  return a.x.dtype == DType::f16 ? launch_gemv_tc<__half, BITS>(p, a.w.scales_dtype, stream)
-                                 : launch_gemv_tc<__nv_bfloat16, BITS>(p, a.w.scales_dtype, stream);
+  auto launch = [&](const TcvParams& q) {
+    return a.x.dtype == DType::f16 ? launch_gemv_tc<__half, BITS>(q, a.w.scales_dtype, stream)
+                                   : launch_gemv_tc<__nv_bfloat16, BITS>(q, a.w.scales_dtype, stream);
+  };
+  const Status st = launch(p);
+  if (!st.ok() || p.N == a.w.n) return st;
+  // The last N % rows rows: the same kernel once more, over the whole block of rows that ends
+  // at row N (it shares rows with the last block above, which get the same values: the same
+  // MMAs in the same order). A second launch rather than a moved last block in the first:
+  // any block-dependent row start put the whole-chunk int4 kernels at the register cap to
+  // 24-48 bytes of spills and 1.04-1.10x the time at K = 28672, M = 9..16 (run 62b). The
+  // SIMT GEMV took these rows until run 62: its one block walked all of K for them, and
+  // (8196, 8192) int4 g128 at M = 48 took 527 us against bf16 F.linear's 54 (run 61b).
+  const int64_t n0 = a.w.n - rows, tb = static_cast<int64_t>(dtype_size(a.x.dtype));
+  TcvParams t = p;
+  t.q += n0 * p.q_rs;
+  t.scales = static_cast<const char*>(p.scales) + n0 * p.s_rs * static_cast<int64_t>(dtype_size(a.w.scales_dtype));
+  if (p.bias) t.bias = static_cast<const char*>(p.bias) + n0 * p.bias_stride * tb;
+  t.y = static_cast<char*>(p.y) + n0 * p.y_cs * tb;
+  t.N = rows;
+  return launch(t);
 }
 
 }  // namespace detail
