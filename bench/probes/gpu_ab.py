@@ -186,27 +186,38 @@ def run(tag: str, out: Path, cases=CASES) -> None:
               f"F.linear graph {r['ref_graph_us']:7.2f} us", flush=True)
         del qs, ws
         torch.cuda.empty_cache()
+    save_round(out, "ab", tag, res, outs)
+
+
+def save_round(out: Path, prefix: str, tag: str, res: dict, outs: dict) -> None:
+    """Appends one round's times to PREFIX_TAG.jsonl and keeps its outputs (PREFIX_TAG_outputs.pt)."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"ab_{tag}.jsonl", "a") as f:
+    with open(out / f"{prefix}_{tag}.jsonl", "a") as f:
         f.write(json.dumps(res) + "\n")
-    torch.save(outs, out / f"ab_{tag}_outputs.pt")
+    torch.save(outs, out / f"{prefix}_{tag}_outputs.pt")
+
+
+def load_best(out: Path, prefix: str, tag: str):
+    """Per case, the best (lowest) of each time over a tag's rounds; the number of rounds; its outputs."""
+    rounds = [json.loads(line) for line in open(out / f"{prefix}_{tag}.jsonl")]
+    best = {c: {key: min(r[c][key] for r in rounds) for key in rounds[0][c]} for c in rounds[0]}
+    return best, len(rounds), torch.load(out / f"{prefix}_{tag}_outputs.pt")
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |b - a| / max |a|"""
+    return ((b - a).abs().max() / a.abs().max()).item()
 
 
 def compare(out: Path, a: str, b: str) -> None:
-    def best(tag):
-        rounds = [json.loads(line) for line in open(out / f"ab_{tag}.jsonl")]
-        return {c: {key: min(r[c][key] for r in rounds) for key in rounds[0][c]} for c in rounds[0]}, len(rounds)
-
-    ra, na = best(a)
-    rb, nb = best(b)
-    oa = torch.load(out / f"ab_{a}_outputs.pt")
-    ob = torch.load(out / f"ab_{b}_outputs.pt")
+    ra, na, oa = load_best(out, "ab", a)
+    rb, nb, ob = load_best(out, "ab", b)
     print(f"best of {na} ({a}) / {nb} ({b}) rounds; ratio = {b} / {a} (below 1: {b} is faster)")
     print(f"{'case':38s} | {a + ' graph':>9s} {b + ' graph':>9s} {'ratio':>6s} | {a + ' eager':>9s} "
           f"{b + ' eager':>9s} {'ratio':>6s} | {'x F.lin ' + a:>11s} {'x F.lin ' + b:>11s} | out diff")
     for c in ra:
         x, y = ra[c], rb[c]
-        diff = ((ob[c] - oa[c]).abs().max() / oa[c].abs().max()).item()
+        diff = rel_diff(oa[c], ob[c])
         print(f"{c:38s} | {x['graph_us']:9.2f} {y['graph_us']:9.2f} {y['graph_us'] / x['graph_us']:6.3f} | "
               f"{x['eager_us']:9.2f} {y['eager_us']:9.2f} {y['eager_us'] / x['eager_us']:6.3f} | "
               f"{x['ref_graph_us'] / x['graph_us']:11.2f} {y['ref_graph_us'] / y['graph_us']:11.2f} | {diff:.1e}")

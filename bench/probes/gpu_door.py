@@ -19,11 +19,11 @@ each build's door and torch op against F.linear, and how far B's door output is 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
+from gpu_ab import load_best, rel_diff, save_round  # the A/B's round files (same folder)
 
 # (K, N, bits, group, M): the sm_90 GEMM's arguments (g128, per channel), ones it refuses
 # (g32, N % 8 != 0), M from just past the small-M kernels to prefill sizes.
@@ -79,28 +79,19 @@ def run(tag: str, out: Path) -> None:
               f"F.linear {r['ref_us']:9.1f} us  door x F.linear {r['ref_us'] / r['door_us']:.2f}", flush=True)
         del qs, ws
         torch.cuda.empty_cache()
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"door_{tag}.jsonl", "a") as f:
-        f.write(json.dumps(res) + "\n")
-    torch.save(outs, out / f"door_{tag}_outputs.pt")
+    save_round(out, "door", tag, res, outs)
 
 
 def compare(out: Path, a: str, b: str) -> None:
-    def best(tag):
-        rounds = [json.loads(line) for line in open(out / f"door_{tag}.jsonl")]
-        return {c: {key: min(r[c][key] for r in rounds) for key in rounds[0][c]} for c in rounds[0]}, len(rounds)
-
-    ra, na = best(a)
-    rb, nb = best(b)
-    oa = torch.load(out / f"door_{a}_outputs.pt")
-    ob = torch.load(out / f"door_{b}_outputs.pt")
+    ra, na, oa = load_best(out, "door", a)
+    rb, nb, ob = load_best(out, "door", b)
     print(f"best of {na} ({a}) / {nb} ({b}) rounds, eager; x F.linear above 1: faster than bf16 F.linear")
     print(f"| case | door {a} us | door {b} us | {b} / {a} | door {a} x F.linear | door {b} x F.linear | "
           f"op x F.linear ({b}) | max abs diff / max abs |")
     print("|---|---|---|---|---|---|---|---|")
     for c in ra:
         A, B = ra[c], rb[c]
-        diff = ((ob[c] - oa[c]).abs().max() / oa[c].abs().max()).item()
+        diff = rel_diff(oa[c], ob[c])
         print(f"| {c} | {A['door_us']:.1f} | {B['door_us']:.1f} | {B['door_us'] / A['door_us']:.3f} | "
               f"{A['ref_us'] / A['door_us']:.2f} | {B['ref_us'] / B['door_us']:.2f} | {B['ref_us'] / B['op_us']:.2f} | "
               f"{diff:.1e} |")

@@ -279,20 +279,24 @@ void test_validation() {
   CHECK(!cuda::gemm(g, nullptr).ok() || has_cuda(), "cuda stub must fail without CUDA");
 }
 
+// Arguments of a weight-only linear for the CUDA routing rules below (host-side choices
+// that need no GPU): every pointer is one 256-byte aligned buffer, never dereferenced, only
+// checked for alignment; contiguous x, weight rows, scales (bf16) and y.
+MixedLinearArgs routing_args(int64_t m, int64_t k, int64_t n, int bits, int64_t gs, DType xt) {
+  alignas(256) static unsigned char buf[64];
+  MixedLinearArgs a;
+  a.x = ConstMatrix{buf, m, k, k, 1, xt};
+  a.w = QuantizedWeight{buf, n, k, k * bits / 8, bits, gs, buf, gs ? k / gs : 1, DType::bf16};
+  a.y = Matrix{buf, m, n, n, 1, xt};
+  return a;
+}
+
 // Which rows of x the CUDA small-M kernels take (cuda::mixed_linear_small_m, a host-side
 // choice that needs no GPU; bench/GPU_NOTES.md runs 47, 57 and 59): every M <= 16; up to
 // M = 64 where the tensor-core GEMV applies, at any weight size. Pointers are never
 // dereferenced, only their alignment is read.
 void test_cuda_small_m_rule() {
   if (!has_cuda()) return;  // the stub library answers false throughout
-  alignas(16) static unsigned char buf[64];
-  auto args = [&](int64_t m, int64_t k, int64_t n, int bits, int64_t gs, DType xt) {
-    MixedLinearArgs a;
-    a.x = ConstMatrix{buf, m, k, k, 1, xt};
-    a.w = QuantizedWeight{buf, n, k, k * bits / 8, bits, gs, buf, gs ? k / gs : 1, DType::bf16};
-    a.y = Matrix{buf, m, n, n, 1, xt};
-    return a;
-  };
   struct Case {
     int64_t m, k, n;
     int bits;
@@ -313,7 +317,7 @@ void test_cuda_small_m_rule() {
       {48, 4160, 1024, 8, 0, DType::bf16, true},     // int8's chunk is 64 k
   };
   for (const Case& c : cases)
-    CHECK(cuda::mixed_linear_small_m(args(c.m, c.k, c.n, c.bits, c.gs, c.xt)) == c.small,
+    CHECK(cuda::mixed_linear_small_m(routing_args(c.m, c.k, c.n, c.bits, c.gs, c.xt)) == c.small,
           "mixed_linear_small_m(M %lld, K %lld, N %lld, int%d, g%lld, %s) should be %d", (long long)c.m,
           (long long)c.k, (long long)c.n, c.bits, (long long)c.gs, c.xt == DType::f32 ? "f32" : "16-bit",
           c.small);
@@ -345,17 +349,9 @@ void test_sm90_size_rule() {
 // the library's own GEMM. Host-side; pointers are only checked for alignment.
 void test_cuda_path_rule() {
   if (!has_cuda()) return;  // the stub library answers "kernels" throughout
-  alignas(256) static unsigned char buf[64];
-  auto args = [&](int64_t m, int64_t k, int64_t n, int bits, int64_t gs, DType xt) {
-    MixedLinearArgs a;
-    a.x = ConstMatrix{buf, m, k, k, 1, xt};
-    a.w = QuantizedWeight{buf, n, k, k * bits / 8, bits, gs, buf, gs ? k / gs : 1, DType::bf16};
-    a.y = Matrix{buf, m, n, n, 1, xt};
-    return a;
-  };
   using P = cuda::MixedLinearPath;
   // Does the current device take the sm_90 GEMM (an sm_90 GPU, built with it, not disabled)?
-  const bool sm90_here = cuda::mixed_linear_sm90_workspace(args(100, 8192, 8192, 4, 128, DType::bf16)) >= 0;
+  const bool sm90_here = cuda::mixed_linear_sm90_workspace(routing_args(100, 8192, 8192, 4, 128, DType::bf16)) >= 0;
   struct Case {
     int64_t m, k, n;
     int bits;
@@ -379,7 +375,7 @@ void test_cuda_path_rule() {
       {100, 8192, 32776, 4, 32, DType::bf16, K_, K_},
   };
   for (const Case& c : cases) {
-    const MixedLinearArgs a = args(c.m, c.k, c.n, c.bits, c.gs, c.xt);
+    const MixedLinearArgs a = routing_args(c.m, c.k, c.n, c.bits, c.gs, c.xt);
     int64_t bytes = -1;
     const P path = cuda::mixed_linear_path(a, &bytes);
     const P want = sm90_here ? c.on_sm90 : c.off_sm90;
