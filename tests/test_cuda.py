@@ -1,6 +1,9 @@
 """CUDA-only behaviour: torch's current stream is honoured (non-default streams, CUDA graph
 capture and replay), the device guard, and the binding's stream branch."""
 
+import os
+import re
+
 import pytest
 import torch
 from conftest import assert_close, dequant_ref, gemm_ref, rand, run_python
@@ -96,6 +99,10 @@ def _sm90_gemm_built() -> str | None:
 
 
 def _is_sm90() -> bool:
+    """An sm_90 GPU whose sm_90 kernels are on: PORTABLE_GEMM_DISABLE_SM90 (read by the
+    library, as here: unset, empty or 0 leaves them on) sends every GPU to the portable ones."""
+    if os.environ.get("PORTABLE_GEMM_DISABLE_SM90", "0") not in ("", "0"):
+        return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -335,12 +342,14 @@ def test_dlpack_mixed_linear_many_rows_paths(m, k, n, bits, group, dtype):
     took_dequant = any("dequantize" in name for name in names)
     took_cutlass = any("cutlass" in name for name in names)
     assert (took_cutlass and not took_dequant) if sm90 else took_dequant, names
+
+
 # N not a multiple of the tensor-core GEMV's block of rows (32; 16 for int8 at M > 16): the
 # last N % 32 rows run as one more whole block that ends at row N and shares rows with the
-# last block before it; both store them. Every row must be right, the shared rows bit-equal
-# to a run on the whole blocks alone, and no SIMT GEMV may run (its one block walked all of
-# K for the last N % 32 rows: 10x bf16 F.linear's time at N = 8196; bench/GPU_NOTES.md,
-# runs 61b and 62).
+# last block before it; both store them. Every row must be right, the rows before the last
+# 32 bit-equal to a run on the whole blocks alone, and no SIMT GEMV may run (its one block
+# walked all of K for the last N % 32 rows: 10x bf16 F.linear's time at N = 8196;
+# bench/GPU_NOTES.md, runs 61b and 63).
 @pytest.mark.parametrize("m", [1, 8, 16, 24, 48, 64])
 @pytest.mark.parametrize("bits,group", [(4, 128), (4, None), (4, 32), (8, None), (8, 64)], ids=str)
 @pytest.mark.parametrize("n", [33, 1000, 4100])
@@ -350,12 +359,17 @@ def test_mixed_linear_gemv_rows_not_a_multiple_of_the_block(m, bits, group, n):
     q, s = pg.quantize_weight(w, bits=bits, group_size=group)
     x = rand((m, k), torch.bfloat16, "cuda")
     names = _cuda_kernels_run(lambda: pg.mixed_linear(x, q, s, bits=bits, group_size=group))
-    assert any("gemv_tc" in name for name in names) and not any("gemv_kernel" in name for name in names), names
+    simt = [name for name in names if re.search(r"gemv_(generic_)?kernel", name)]
+    assert any("gemv_tc" in name for name in names) and not simt, names
     out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
     assert_close(out, x.double() @ dequant_ref(q, s, bits, group).T, torch.bfloat16)
-    whole = n // 32 * 32  # the rows of whole blocks, as a weight of its own
+    # Rows before the last 32 are the first launch's alone: bit-equal to a run on the whole
+    # blocks as a weight of their own. The shared rows are stored again by the second launch
+    # (the same MMAs on the H200, where they also come out bit-equal; checked above against
+    # float64 like every row).
+    whole = n // 32 * 32
     head = pg.mixed_linear(x, q[:whole].contiguous(), s[:whole].contiguous(), bits=bits, group_size=group)
-    assert torch.equal(out[:, :whole], head)
+    assert torch.equal(out[:, :n - 32], head[:, :n - 32])
     assert torch.equal(out, pg.mixed_linear(x, q, s, bits=bits, group_size=group))
 
 

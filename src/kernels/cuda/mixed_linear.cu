@@ -7,7 +7,8 @@
 //   16 < M <= GEMV_SLICED_MAX_M, same conditions: the same GEMV over x in slices of 16
 //                   rows, one launch (see gemv_tc_kernel); int8 with four x tiles in slices
 //                   of 32 rows (tcv_four).
-//   M <= 16 otherwise: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
+//   M <= 16 otherwise, and up to M = 64 where N is below one block of the tensor-core
+//                   GEMV: SIMT GEMV kernel (weights streamed once in 16-byte chunks).
 //   more rows, f16/bf16 x: the tensor-core GEMM of tc_gemm.cuh, B tiles dequantised on the
 //                   fly. Callers that lend scratch memory (the torch binding; the DLPack
 //                   door through mixed_linear_pooled) send these to the sm_90 CUTLASS GEMM
@@ -922,8 +923,8 @@ static QuantParams quant_params(const MixedLinearArgs& args) {
 // whatever the weight's size. On the H200 (bench/GPU_NOTES.md, run 59) that beat
 // dequantise + cuBLAS (1.30-3.0x the GEMV's time replayed) and this file's mma.sync GEMM (1.5-18x)
 // on every case of issue 7's shapes at M = 17..64. Only the sm_90 CUTLASS GEMM outruns it,
-// on large weights (runs 55 and 57): the torch binding takes that one where
-// mixed_linear_sm90_preferred says so.
+// on large weights (runs 55 and 57): mixed_linear_path (the torch binding, the DLPack door)
+// takes that one where mixed_linear_sm90_preferred says so.
 constexpr int64_t GEMV_MAX_M = 16;
 constexpr int64_t GEMV_SLICED_MAX_M = 64;
 
@@ -1023,7 +1024,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   // any block-dependent row start put the whole-chunk int4 kernels at the register cap to
   // 24-48 bytes of spills and 1.04-1.10x the time at K = 28672, M = 9..16 (run 62b). The
   // SIMT GEMV took these rows until run 62: its one block walked all of K for them, and
-  // (8196, 8192) int4 g128 at M = 48 took 527 us against bf16 F.linear's 54 (run 61b).
+  // (K, N) = (8192, 8196) int4 g128 at M = 48 took 527 us against bf16 F.linear's 54 (run 61b).
   const int64_t n0 = a.w.n - rows, tb = static_cast<int64_t>(dtype_size(a.x.dtype));
   TcvParams t = p;
   t.q += n0 * p.q_rs;

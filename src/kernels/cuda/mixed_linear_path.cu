@@ -39,7 +39,7 @@ Status mixed_linear_pooled(const MixedLinearArgs& args, void* stream_ptr) {
     return mixed_linear(args, stream_ptr);  // the path without scratch
   }
   Status s;
-  if (!detail::aligned_to(scratch, 256)) {  // the pool's blocks are; the sm_90 GEMM needs it
+  if (!detail::aligned_to(scratch, 256)) {  // the pool's blocks are; the sm_90 GEMM needs 256
     s = mixed_linear(args, stream_ptr);
   } else if (path == MixedLinearPath::sm90) {
     s = mixed_linear_sm90(args, scratch, stream_ptr);
@@ -58,7 +58,10 @@ Status mixed_linear_pooled(const MixedLinearArgs& args, void* stream_ptr) {
     }
   }
   const cudaError_t freed = cudaFreeAsync(scratch, stream);  // after the kernels above, in stream order
-  if (s.ok() && freed != cudaSuccess) s = detail::status_from(freed);
+  if (freed != cudaSuccess) {
+    cudaGetLastError();  // reported here, not again by the next launch check
+    if (s.ok()) s = detail::status_from(freed);
+  }
   return s;
 }
 
