@@ -156,19 +156,14 @@ def run(tag: str, out: Path, cases=CASES) -> None:
     import portable_gemm as pg
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from gpu_bench import copies_for, event_time_us, graph_time_us
+    from gpu_bench import event_time_us, graph_time_us
 
     res, outs = {}, {}
     for c in cases:
         k, n, bits, g, m, dt = c
-        gen = torch.Generator(device="cuda").manual_seed(1234)
-        w = torch.randn(n, k, device="cuda", dtype=DT[dt], generator=gen) * 0.02
-        x = torch.randn(m, k, device="cuda", dtype=DT[dt], generator=gen)
-        q, s = pg.quantize_weight(w, bits=bits, group_size=g or None)
+        x, q, s, qs, ws = case_inputs(k, n, bits, g, m, DT[dt])
+        nq = len(qs)
         outs[name(c)] = pg.mixed_linear(x, q, s, bits=bits, group_size=g or None).float().cpu()
-        nq = copies_for(q.numel() * q.element_size() + s.numel() * s.element_size())
-        qs = [(q, s)] + [(q.clone(), s.clone()) for _ in range(nq - 1)]
-        ws = [w] + [w.clone() for _ in range(min(nq, 4) - 1)]
 
         def ours(i=0):
             qq, ss = qs[i % nq]
@@ -187,6 +182,24 @@ def run(tag: str, out: Path, cases=CASES) -> None:
         del qs, ws
         torch.cuda.empty_cache()
     save_round(out, "ab", tag, res, outs)
+
+
+def case_inputs(k: int, n: int, bits: int, g: int, m: int, dtype: torch.dtype):
+    """Seeded random x [m, k] and weight [n, k] (dtype) on the GPU, the weight quantised
+    (group g, 0 per channel), and copies to rotate past L2: (x, q, s, [(q, s), ...], [w, ...])."""
+    import portable_gemm as pg
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gpu_bench import copies_for
+
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * 0.02
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    q, s = pg.quantize_weight(w, bits=bits, group_size=g or None)
+    nq = copies_for(q.numel() * q.element_size() + s.numel() * s.element_size())
+    qs = [(q, s)] + [(q.clone(), s.clone()) for _ in range(nq - 1)]
+    ws = [w] + [w.clone() for _ in range(min(nq, 4) - 1)]
+    return x, q, s, qs, ws
 
 
 def save_round(out: Path, prefix: str, tag: str, res: dict, outs: dict) -> None:

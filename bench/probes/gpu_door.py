@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_ab import load_best, rel_diff, save_round  # the A/B's round files (same folder)
+from gpu_ab import case_inputs, load_best, rel_diff, save_round  # the A/B's round files (same folder)
 
 # (K, N, bits, group, M): the sm_90 GEMM's arguments (g128, per channel), ones it refuses
 # (g32, N % 8 != 0), M from just past the small-M kernels to prefill sizes.
@@ -45,20 +45,15 @@ def run(tag: str, out: Path) -> None:
     from portable_gemm import dlpack
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from gpu_bench import copies_for, event_time_us
+    from gpu_bench import event_time_us
 
     res, outs = {}, {}
     for c in CASES:
         k, n, bits, g, m = c
-        gen = torch.Generator(device="cuda").manual_seed(1234)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-        q, s = pg.quantize_weight(w, bits=bits, group_size=g or None)
+        x, q, s, qs, ws = case_inputs(k, n, bits, g, m, torch.bfloat16)
+        nq = len(qs)
         stream = torch.cuda.current_stream().cuda_stream
         outs[name(c)] = dlpack.mixed_linear(x, q, s, bits, group_size=g or None, stream=stream).float().cpu()
-        nq = copies_for(q.numel() * q.element_size() + s.numel() * s.element_size())
-        qs = [(q, s)] + [(q.clone(), s.clone()) for _ in range(nq - 1)]
-        ws = [w] + [w.clone() for _ in range(min(nq, 4) - 1)]
 
         def door(i=0):
             qq, ss = qs[i % nq]
