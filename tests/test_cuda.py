@@ -344,6 +344,89 @@ def test_dlpack_mixed_linear_many_rows_paths(m, k, n, bits, group, dtype):
     assert (took_cutlass and not took_dequant) if sm90 else took_dequant, names
 
 
+# out= through the DLPack door on CUDA, on each path of the many-rows rule and the GEMV:
+# a contiguous out (bit-equal to the door's own fresh result: the same kernels), rows padded
+# to a multiple of 8 (the sm_90 GEMMs write through their leading dimension) and to an odd
+# stride (they refuse it: the portable kernels or dequantise + gemm write it). The padding
+# holds a NaN sentinel that must survive.
+DOOR_OUT_CASES = [(1, 4096, 1024, 4, 128), (16, 2048, 1032, 8, None), (48, 4096, 1024, 4, 32),
+                  (100, 4096, 1024, 4, 128), (300, 2048, 2056, 8, None)]
+
+
+@pytest.mark.parametrize("m,k,n,bits,group", DOOR_OUT_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("pad", [0, 8, 3], ids=["contiguous", "pad8", "pad3"])
+def test_dlpack_mixed_linear_out(m, k, n, bits, group, pad):
+    from portable_gemm import dlpack
+
+    dtype = torch.bfloat16
+    w = rand((n, k), dtype, "cuda")
+    q, s = pg.quantize_weight(w, bits=bits, group_size=group)
+    x, bias = rand((m, k), dtype, "cuda"), rand((n,), dtype, "cuda")
+    buf = torch.full((m, n + pad), float("nan"), dtype=dtype, device="cuda")
+    out = buf[:, :n]
+    stream = torch.cuda.current_stream().cuda_stream
+    got = dlpack.mixed_linear(x, q, s, bits, group_size=group, bias=bias, activation="silu", stream=stream, out=out)
+    assert got is out
+    fresh = dlpack.mixed_linear(x, q, s, bits, group_size=group, bias=bias, activation="silu", stream=stream)
+    torch.cuda.synchronize()
+    z = x.double() @ dequant_ref(q, s, bits, group).T + bias.double()
+    assert_close(out, torch.nn.functional.silu(z), dtype, label=f"door out=, pad {pad}")
+    assert torch.isnan(buf[:, n:]).all(), "the door wrote past N into out's row padding"
+    if pad == 0:
+        assert torch.equal(out, fresh)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 256, 512), (129, 264, 136), (512, 512, 512)], ids=str)
+@pytest.mark.parametrize("pad", [0, 8, 3], ids=["contiguous", "pad8", "pad3"])
+def test_dlpack_gemm_out(m, n, k, pad):
+    from portable_gemm import dlpack
+
+    dtype = torch.bfloat16
+    a, b, bias = rand((m, k), dtype, "cuda"), rand((k, n), dtype, "cuda"), rand((n,), dtype, "cuda")
+    buf = torch.full((m, n + pad), float("nan"), dtype=dtype, device="cuda")
+    out = buf[:, :n]
+    got = dlpack.gemm(a, b, bias, "relu", stream=torch.cuda.current_stream().cuda_stream, out=out)
+    assert got is out
+    torch.cuda.synchronize()
+    assert_close(out, gemm_ref(a, b, bias, "relu"), dtype, label=f"door gemm out=, pad {pad}")
+    assert torch.isnan(buf[:, n:]).all()
+
+
+def test_dlpack_out_on_another_device_refused():
+    from portable_gemm import dlpack
+
+    x = rand((2, 256), torch.bfloat16, "cuda")
+    q, s = pg.quantize_weight(rand((64, 256), torch.bfloat16, "cuda"), bits=8)
+    with pytest.raises(ValueError, match="out is on cpu but the operands are on cuda:0"):
+        dlpack.mixed_linear(x, q, s, 8, out=torch.empty(2, 64, dtype=torch.bfloat16))
+
+
+# With out=, the door allocates nothing at M <= 64 (the GEMV), so a CUDA graph can capture it:
+# the replay reads x as it is at replay time and writes the same out.
+@pytest.mark.parametrize("m", [1, 16])
+def test_dlpack_out_captured_in_a_cuda_graph(m):
+    from portable_gemm import dlpack
+
+    dtype = torch.bfloat16
+    q, s = pg.quantize_weight(rand((1024, 2048), dtype, "cuda"), bits=4, group_size=128)
+    x = rand((m, 2048), dtype, "cuda")
+    out = torch.full((m, 1024), float("nan"), dtype=dtype, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (first-call set-up, as torch advises)
+        dlpack.mixed_linear(x, q, s, 4, group_size=128, stream=side.cuda_stream, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dlpack.mixed_linear(x, q, s, 4, group_size=128, stream=torch.cuda.current_stream().cuda_stream, out=out)
+    for _ in range(2):
+        x.copy_(rand((m, 2048), dtype, "cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, pg.mixed_linear(x, q, s, bits=4, group_size=128))
+
+
 # N not a multiple of the tensor-core GEMV's block of rows (32; 16 for int8 at M > 16): the
 # last N % 32 rows run as one more whole block that ends at row N and shares rows with the
 # last block before it; both store them. Every row must be right, the rows before the last

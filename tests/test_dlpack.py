@@ -121,3 +121,89 @@ def test_cuda_cupy_arrays():
 def test_cuda_mixed_devices_refused():
     with pytest.raises(ValueError, match="move all arrays to one device"):
         door.gemm(torch.ones(2, 3, device="cuda"), torch.ones(3, 4))
+
+
+# ---- out=: the result written into the caller's array -------------------------------------
+
+OUT_SHAPES = {"aligned": (16, 64, 32), "odd": (7, 70, 29), "one row": (1, 128, 45)}  # (M, K, N)
+
+
+@pytest.mark.parametrize("shape", OUT_SHAPES.values(), ids=OUT_SHAPES.keys())
+@pytest.mark.parametrize("pad", [0, 5], ids=["contiguous", "row-padded"])
+def test_gemm_out_equals_fresh_result_and_keeps_its_padding(shape, pad):
+    m, k, n = shape
+    rng = np.random.default_rng(m * 1000 + n)
+    a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    bias = rng.standard_normal(n, np.float32)
+    buf = np.full((m, n + pad), np.nan, np.float32)  # sentinel: what the kernel must not touch stays NaN
+    out = buf[:, :n]
+    got = door.gemm(a, b, bias, "relu", out=out)
+    assert got is out
+    assert np.array_equal(out, door.gemm(a, b, bias, "relu"))
+    assert np.isnan(buf[:, n:]).all()
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
+@pytest.mark.parametrize("pad", [0, 3], ids=["contiguous", "row-padded"])
+def test_mixed_linear_out_equals_fresh_result_and_keeps_its_padding(bits, group, pad):
+    w = torch.randn(45, 128)
+    q, s = door.quantize_weight(w.numpy(), bits, group)
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    buf = np.full((5, 45 + pad), 0x7FC0, np.uint16)  # bf16 NaN bits
+    out = buf[:, :45]
+    xb = bf16_bits(x)
+    sb = s  # scales stay float32 here; the door takes them in any float dtype
+    got = door.mixed_linear(xb, q, sb, bits, group, bf16_bits=True, out=out)
+    assert got is out
+    assert np.array_equal(out, door.mixed_linear(xb, q, sb, bits, group, bf16_bits=True))
+    assert (buf[:, 45:] == 0x7FC0).all()
+    # and it is the torch op's result, bit for bit
+    want = pg.mixed_linear(x, torch.from_numpy(q), torch.from_numpy(s), bits=bits, group_size=group)
+    assert torch.equal(from_bits(out.copy()), want)
+
+
+def _out_refusals():
+    a, b = np.ones((4, 6), np.float32), np.ones((6, 5), np.float32)
+    sq = np.ones((4, 4), np.float32)
+    x, q, s = np.ones((2, 8), np.float32), np.ones((3, 8), np.int8), np.ones(3, np.float32)
+    ro = np.zeros((4, 5), np.float32)
+    ro.setflags(write=False)
+    return [
+        ("shape", lambda o: door.gemm(a, b, out=o), np.zeros((4, 6), np.float32), ValueError, r"shape \(4, 5\)"),
+        ("dtype", lambda o: door.gemm(a, b, out=o), np.zeros((4, 5), np.float16), TypeError, "result's dtype"),
+        ("3-D", lambda o: door.gemm(a, b, out=o), np.zeros((1, 4, 5), np.float32), ValueError, "2-D"),
+        ("transposed", lambda o: door.gemm(a, b, out=o), np.zeros((5, 4), np.float32).T, ValueError,
+         "unit column stride"),
+        ("rows overlap", lambda o: door.gemm(a, b, out=o), np.lib.stride_tricks.as_strided(
+            np.zeros(12, np.float32), (4, 5), (8, 4)), ValueError, "row stride"),
+        ("read-only", lambda o: door.gemm(a, b, out=o), ro, TypeError, "writable"),
+        ("not an array", lambda o: door.gemm(a, b, out=o), [[0.0] * 5] * 4, TypeError, "writable array"),
+        ("aliases a", lambda o: door.gemm(o, sq, out=o), sq.copy(), ValueError, "overlaps a"),
+        ("aliases b", lambda o: door.gemm(sq, o, out=o), sq.copy(), ValueError, "overlaps b"),
+        ("aliases x", lambda o: door.mixed_linear(o, q, s, 8, out=o[:, :3]), x.copy(), ValueError, "overlaps x"),
+        ("mixed dtype", lambda o: door.mixed_linear(x, q, s, 8, out=o), np.zeros((2, 3), np.float64), TypeError,
+         "float32, float16 or bfloat16"),
+    ]
+
+
+@pytest.mark.parametrize("case", _out_refusals(), ids=lambda c: c[0])
+def test_out_refused_before_anything_is_written(case):
+    _, call, out, exc, match = case
+    before = np.array(out, copy=True) if isinstance(out, np.ndarray) else None
+    with pytest.raises(exc, match=match):
+        call(out)
+    if before is not None:  # a refused call leaves out as it was
+        assert np.array_equal(np.asarray(out), before)
+
+
+def test_out_partial_overlap_detected_through_views():
+    # out is a window of the same buffer as a, shifted by one row: they share bytes
+    buf = np.random.default_rng(0).standard_normal((9, 8), np.float32)
+    a, out = buf[:8], buf[1:9]
+    with pytest.raises(ValueError, match="overlaps a"):
+        door.gemm(a, np.eye(8, dtype=np.float32), out=out)
+    # disjoint windows of one buffer are fine
+    a2, out2 = buf[:4], buf[4:8]
+    want = a2.astype(np.float64) @ np.eye(8)
+    assert door.gemm(a2, np.eye(8, dtype=np.float32), out=out2) is out2
+    np.testing.assert_allclose(out2, want, rtol=1e-6)

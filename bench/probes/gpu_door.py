@@ -1,5 +1,5 @@
-"""The DLPack door's weight-only linear at M > 64 on the GPU, against the torch op and bf16
-F.linear in the same process, and across two builds (run 61).
+"""The DLPack door's weight-only linear on the GPU, against the torch op and bf16 F.linear in
+the same process, and across two builds (run 61; `--cases small`: with and without out=).
 
 Each `run` process times, per case, `portable_gemm.dlpack.mixed_linear` (torch tensors in, on
 torch's current stream), `pg.mixed_linear` and bf16 `F.linear` with CUDA events around
@@ -14,6 +14,10 @@ output per case. Run it alternately under each build's PYTHONPATH, then compare:
 
 `compare` prints, per case, the best time of each build over the rounds, B / A for the door,
 each build's door and torch op against F.linear, and how far B's door output is from A's.
+
+`--cases small` (M = 1..256, a build with out=) also times the door writing into a
+preallocated out (no cudaMalloc, no synchronising cudaFree), and checks its output against
+the fresh one; one build is enough: every ratio is within the process.
 """
 
 from __future__ import annotations
@@ -35,12 +39,17 @@ CASES = [
 ] + [(28672, 8192, 4, 128, m) for m in (256, 4096)] + [(8192, 8196, 8, 0, m) for m in (256, 1024)]
 
 
+# M from decode to the first sizes past the GEMV, where the door's allocation dominates.
+SMALL = [(k, n, bits, g, m) for (k, n) in [(8192, 8192), (4096, 12288)] for bits, g in [(4, 128), (8, 0)]
+         for m in (1, 16, 64, 256)]
+
+
 def name(c) -> str:
     k, n, bits, g, m = c
     return f"({k},{n}) int{bits} g{g or 'ch'} M={m}"
 
 
-def run(tag: str, out: Path) -> None:
+def run(tag: str, out: Path, cases: str = "many") -> None:
     import portable_gemm as pg
     from portable_gemm import dlpack
 
@@ -48,7 +57,7 @@ def run(tag: str, out: Path) -> None:
     from gpu_bench import event_time_us
 
     res, outs = {}, {}
-    for c in CASES:
+    for c in SMALL if cases == "small" else CASES:
         k, n, bits, g, m = c
         x, q, s, qs, ws = case_inputs(k, n, bits, g, m, torch.bfloat16)
         nq = len(qs)
@@ -70,8 +79,22 @@ def run(tag: str, out: Path) -> None:
         res[name(c)] = {"door_us": event_time_us(door, iters, reps=5)[0], "op_us": event_time_us(op, iters, reps=5)[0],
                         "ref_us": event_time_us(ref, iters, reps=5)[0]}
         r = res[name(c)]
+        extra = ""
+        if cases == "small":
+            y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+            def door_out(i=0):
+                qq, ss = qs[i % nq]
+                return dlpack.mixed_linear(x, qq, ss, bits, group_size=g or None, stream=stream, out=y)
+
+            door_out()
+            torch.cuda.synchronize()
+            assert torch.equal(y.float().cpu(), outs[name(c)]), f"{name(c)}: out= differs from the fresh result"
+            r["door_out_us"] = event_time_us(door_out, iters, reps=5)[0]
+            extra = (f"  door out= {r['door_out_us']:9.1f} us  x F.linear {r['ref_us'] / r['door_out_us']:.2f}"
+                     f"  x op {r['op_us'] / r['door_out_us']:.2f}")
         print(f"{tag} {name(c):32s} door {r['door_us']:9.1f} us  op {r['op_us']:9.1f} us  "
-              f"F.linear {r['ref_us']:9.1f} us  door x F.linear {r['ref_us'] / r['door_us']:.2f}", flush=True)
+              f"F.linear {r['ref_us']:9.1f} us  door x F.linear {r['ref_us'] / r['door_us']:.2f}{extra}", flush=True)
         del qs, ws
         torch.cuda.empty_cache()
     save_round(out, "door", tag, res, outs)
@@ -98,13 +121,15 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--cases", choices=["many", "small"], default="many",
+                   help="many: M >= 65 (run 61); small: M = 1..256 with and without out=")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
     c.add_argument("b")
     args = ap.parse_args()
     if args.cmd == "run":
-        run(args.tag, args.out)
+        run(args.tag, args.out, args.cases)
     else:
         compare(args.out, args.a, args.b)
     return 0

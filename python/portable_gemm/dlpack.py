@@ -17,10 +17,18 @@ bfloat16: NumPy has no bf16 dtype, so bf16 data travels as its uint16 bit patter
 come back as uint16 bits too. Producers with a native bf16 DLPack dtype need no flag.
 
 Functions (same semantics as the torch ops; a, b, x, weight are 2-D):
-    gemm(a, b, bias=None, activation="none", bf16_bits=False, stream=0)
+    gemm(a, b, bias=None, activation="none", bf16_bits=False, stream=0, out=None)
     quantize_weight(weight, bits, group_size=None, bf16_bits=False, stream=0) -> (qweight, scales)
     mixed_linear(x, qweight, scales, bits, group_size=None, bias=None, activation="none",
-                 bf16_bits=False, stream=0)
+                 bf16_bits=False, stream=0, out=None)
+
+``out``: write the (M, N) result into this array and return it, instead of allocating a new
+one. It must be writable, on the operands' device, of the result's dtype, with unit column
+stride (rows may be padded: ``buf[:, :N]`` of a wider buffer) and share no memory with an
+operand; a refused ``out`` is left untouched. On CUDA a fresh result costs a cudaMalloc, and
+freeing it a device-wide synchronising cudaFree (the door cannot know which streams its
+consumer used), which dominates small calls; with ``out`` a call allocates nothing at M <= 64,
+and a CUDA graph can capture it.
 Bad input raises TypeError (dtype, kind of array) or ValueError (shapes, arguments, arrays on
 different devices).
 """

@@ -25,6 +25,7 @@ namespace pg = portable_gemm;
 namespace {
 
 using Array = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;  // writable: out=
 
 // Where the operands live: all of one call must agree.
 struct Where {
@@ -34,7 +35,8 @@ struct Where {
   std::string str() const { return cuda ? "cuda:" + std::to_string(device) : std::string("cpu"); }
 };
 
-Where where_of(const Array& a, const char* name) {
+template <class A>
+Where where_of(const A& a, const char* name) {
   if (a.device_type() == nb::device::cpu::value) return {};
   if (a.device_type() == nb::device::cuda::value) return {true, static_cast<int32_t>(a.device_id())};
   throw nb::type_error((std::string(name) + " lives on a device this door does not support (CPU and CUDA only)").c_str());
@@ -66,7 +68,8 @@ const char* dtype_label(nb::dlpack::dtype t) {
 
 // Float operand dtype. NumPy has no bfloat16: bf16 data travels as uint16 bit patterns with
 // bf16_bits=True (e.g. `x.view(np.uint16)` of an ml_dtypes.bfloat16 array).
-pg::DType float_dtype(const Array& a, const char* name, bool bf16_bits) {
+template <class A>
+pg::DType float_dtype(const A& a, const char* name, bool bf16_bits) {
   const auto t = a.dtype();
   if (t == nb::dtype<float>()) return pg::DType::f32;
   if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16) return pg::DType::f16;
@@ -228,12 +231,69 @@ void check(const pg::Status& s) {  // validation results
   if (!s.ok()) throw nb::value_error(s.message ? s.message : "invalid arguments");
 }
 
+// The bytes an array's elements span, [first, last): empty for an array with no elements.
+template <class A>
+std::pair<uintptr_t, uintptr_t> byte_span(const A& a) {
+  const auto base = reinterpret_cast<uintptr_t>(a.data());
+  const auto item = static_cast<intptr_t>(a.itemsize());
+  intptr_t lo = 0, hi = 0;
+  for (size_t d = 0; d < a.ndim(); ++d) {
+    if (a.shape(d) == 0) return {base, base};
+    const intptr_t reach = static_cast<intptr_t>(a.shape(d) - 1) * static_cast<intptr_t>(a.stride(d)) * item;
+    (reach < 0 ? lo : hi) += reach;
+  }
+  return {base + lo, base + hi + item};
+}
+
+// Where the result goes: a fresh array, or the caller's `out` (returned as given).
+struct Result {
+  std::optional<Output> fresh;
+  nb::handle out;
+  nb::object to_python(nb::handle like, bool bf16_bits) {
+    return fresh ? fresh->to_python(like, bf16_bits) : nb::borrow(out);
+  }
+};
+
+// out=: a writable rows x n array of the result's dtype on the operands' device, with unit
+// column stride (any row stride >= n, e.g. a column slice of a wider buffer), sharing no
+// byte with an operand. Checked before any kernel runs, so a refused call leaves it as it was.
+pg::Matrix out_matrix(nb::handle out_obj, int64_t rows, int64_t n, pg::DType dt, const Where& w, bool bf16_bits,
+                      std::initializer_list<std::pair<const Array*, const char*>> operands) {
+  OutArray o;
+  if (!nb::try_cast<OutArray>(out_obj, o))
+    throw nb::type_error(("out must be a writable array (NumPy, or any object with __dlpack__ on the CPU or a "
+                          "CUDA device), got " + std::string(nb::inst_name(out_obj).c_str()) +
+                          " (a read-only NumPy array is refused too)").c_str());
+  const Where ow = where_of(o, "out");
+  if (!(ow == w))
+    throw nb::value_error(("out is on " + ow.str() + " but the operands are on " + w.str()).c_str());
+  if (float_dtype(o, "out", bf16_bits) != dt)
+    throw nb::type_error((std::string("out must have the result's dtype, the input's; got ") + dtype_label(o.dtype()))
+                             .c_str());
+  if (o.ndim() != 2 || o.shape(0) != (size_t)rows || o.shape(1) != (size_t)n)
+    throw nb::value_error(("out must be 2-D of shape (" + std::to_string(rows) + ", " + std::to_string(n) + ")").c_str());
+  if (rows > 0 && n > 1 && o.stride(1) != 1)
+    throw nb::value_error("out must have unit column stride (rows may be padded: a column slice of a wider buffer)");
+  if (rows > 1 && n > 0 && o.stride(0) < n)
+    throw nb::value_error("out's rows must not overlap each other (row stride >= N)");
+  const auto [first, last] = byte_span(o);
+  for (const auto& [a, name] : operands) {
+    if (!a || first == last) continue;
+    const auto [afirst, alast] = byte_span(*a);
+    if (afirst < last && first < alast)
+      throw nb::value_error(("out overlaps " + std::string(name) + "; write the result to memory no operand uses")
+                                .c_str());
+  }
+  return pg::Matrix{o.data(), rows, n, rows > 1 ? (int64_t)o.stride(0) : std::max<int64_t>(n, 1), 1, dt};
+}
+
 // What gemm and mixed_linear share: the bias ([N], the input's dtype), the activation, and
-// the rows x N output on the operands' device.
+// the rows x N output on the operands' device (fresh, or the caller's out).
 template <class Args>
-Output epilogue_and_output(Args& args, pg::Matrix Args::*out_field, int64_t rows, int64_t n,
+Result epilogue_and_output(Args& args, pg::Matrix Args::*out_field, int64_t rows, int64_t n,
                            const std::optional<Array>& bias, const std::string& act, pg::DType dt, const Where& w,
-                           const char* input, bool bf16_bits) {
+                           const char* input, bool bf16_bits, std::optional<nb::handle> out,
+                           std::initializer_list<std::pair<const Array*, const char*>> operands) {
   if (bias) {
     if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1 || bias->shape(0) != (size_t)n)
       throw nb::value_error(("bias must be a 1-D array of " + std::string(input) + "'s dtype with N = " +
@@ -242,20 +302,27 @@ Output epilogue_and_output(Args& args, pg::Matrix Args::*out_field, int64_t rows
     args.bias_stride = bias->stride(0);
   }
   args.activation = activation(act);
-  Output out({(size_t)rows, (size_t)n}, dt, w);
-  args.*out_field = pg::Matrix{out.data, rows, n, std::max<int64_t>(n, 1), 1, dt};
-  return out;
+  Result r;
+  if (out) {
+    r.out = *out;
+    args.*out_field = out_matrix(*out, rows, n, dt, w, bf16_bits, operands);
+  } else {
+    r.fresh.emplace(std::initializer_list<size_t>{(size_t)rows, (size_t)n}, dt, w);
+    args.*out_field = pg::Matrix{r.fresh->data, rows, n, std::max<int64_t>(n, 1), 1, dt};
+  }
+  return r;
 }
 
 nb::object gemm(nb::handle a_obj, const Array& a, const Array& b, std::optional<Array> bias,
-                const std::string& act, bool bf16_bits, uintptr_t stream) {
+                const std::string& act, bool bf16_bits, uintptr_t stream, std::optional<nb::handle> out_obj) {
   const Where w = same_place({{&a, "a"}, {&b, "b"}, {bias ? &*bias : nullptr, "bias"}});
   pg::GemmArgs args;
   const pg::DType dt = float_dtype(a, "a", bf16_bits);
   args.a = matrix(a, "a", dt);
   args.b = matrix(b, "b", float_dtype(b, "b", bf16_bits));
   if (args.b.dtype != dt) throw nb::type_error("b must have the same dtype as a");
-  Output out = epilogue_and_output(args, &pg::GemmArgs::c, args.a.rows, args.b.cols, bias, act, dt, w, "a", bf16_bits);
+  Result out = epilogue_and_output(args, &pg::GemmArgs::c, args.a.rows, args.b.cols, bias, act, dt, w, "a",
+                                   bf16_bits, out_obj, {{&a, "a"}, {&b, "b"}, {bias ? &*bias : nullptr, "bias"}});
   check(pg::validate_gemm(args));
   run(args, w, stream, &pg::cpu::gemm, &pg::cuda::gemm);
   return out.to_python(a_obj, bf16_bits);
@@ -292,7 +359,7 @@ nb::tuple quantize_weight(nb::handle w_obj, const Array& w, int bits, std::optio
 
 nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, const Array& scales, int bits,
                         std::optional<int64_t> group_size, std::optional<Array> bias, const std::string& act,
-                        bool bf16_bits, uintptr_t stream) {
+                        bool bf16_bits, uintptr_t stream, std::optional<nb::handle> out_obj) {
   const Where w = same_place({{&x, "x"}, {&qweight, "qweight"}, {&scales, "scales"}, {bias ? &*bias : nullptr, "bias"}});
   pg::MixedLinearArgs args;
   const pg::DType dt = float_dtype(x, "x", bf16_bits);
@@ -321,7 +388,9 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
   args.w.scales_row_stride = scales.stride(0);
   if ((bits == 8 ? qweight.shape(1) : 2 * qweight.shape(1)) != (size_t)args.x.cols)
     throw nb::value_error("qweight does not match x's K (int4: [N, K/2])");
-  Output out = epilogue_and_output(args, &pg::MixedLinearArgs::y, args.x.rows, args.w.n, bias, act, dt, w, "x", bf16_bits);
+  Result out = epilogue_and_output(args, &pg::MixedLinearArgs::y, args.x.rows, args.w.n, bias, act, dt, w, "x",
+                                   bf16_bits, out_obj,
+                                   {{&x, "x"}, {&qweight, "qweight"}, {&scales, "scales"}, {bias ? &*bias : nullptr, "bias"}});
   check(pg::validate_mixed_linear(args));
   // CUDA: the torch binding's paths, with the scratch they need from the device's memory pool
   run(args, w, stream, &pg::cpu::mixed_linear, &pg::cuda::mixed_linear_pooled);
@@ -336,14 +405,15 @@ NB_MODULE(_dlpack, m) {
   m.def("has_cuda", [] { return pg::has_cuda(); });
   m.def("gemm",
         [](nb::handle a_obj, nb::handle b_obj, std::optional<nb::handle> bias_obj, const std::string& act,
-           bool bf16_bits, uintptr_t stream) {
+           bool bf16_bits, uintptr_t stream, std::optional<nb::handle> out_obj) {
           Array a = as_array(a_obj, "a"), b = as_array(b_obj, "b");
           std::optional<Array> bias;
           if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
-          return gemm(a_obj, a, b, bias, act, bf16_bits, stream);
+          if (out_obj && out_obj->is_none()) out_obj.reset();
+          return gemm(a_obj, a, b, bias, act, bf16_bits, stream, out_obj);
         },
         nb::arg("a"), nb::arg("b"), nb::arg("bias").none() = nb::none(), nb::arg("activation") = "none",
-        nb::arg("bf16_bits") = false, nb::arg("stream") = 0);
+        nb::arg("bf16_bits") = false, nb::arg("stream") = 0, nb::arg("out").none() = nb::none());
   m.def("quantize_weight",
         [](nb::handle w_obj, int bits, std::optional<int64_t> group_size, bool bf16_bits, uintptr_t stream) {
           return quantize_weight(w_obj, as_array(w_obj, "weight"), bits, group_size, bf16_bits, stream);
@@ -352,15 +422,18 @@ NB_MODULE(_dlpack, m) {
         nb::arg("bf16_bits") = false, nb::arg("stream") = 0);
   m.def("mixed_linear",
         [](nb::handle x_obj, nb::handle q_obj, nb::handle s_obj, int bits, std::optional<int64_t> group_size,
-           std::optional<nb::handle> bias_obj, const std::string& act, bool bf16_bits, uintptr_t stream) {
+           std::optional<nb::handle> bias_obj, const std::string& act, bool bf16_bits, uintptr_t stream,
+           std::optional<nb::handle> out_obj) {
           std::optional<Array> bias;
           if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
+          if (out_obj && out_obj->is_none()) out_obj.reset();
           return mixed_linear(x_obj, as_array(x_obj, "x"), as_array(q_obj, "qweight"), as_array(s_obj, "scales"), bits,
-                              group_size, bias, act, bf16_bits, stream);
+                              group_size, bias, act, bf16_bits, stream, out_obj);
         },
         nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("bits"),
         nb::arg("group_size").none() = nb::none(), nb::arg("bias").none() = nb::none(),
-        nb::arg("activation") = "none", nb::arg("bf16_bits") = false, nb::arg("stream") = 0);
+        nb::arg("activation") = "none", nb::arg("bf16_bits") = false, nb::arg("stream") = 0,
+        nb::arg("out").none() = nb::none());
   m.def("build_info", [] { return std::string(pg::build_info()); });
   m.def("cpu_isa", [] { return std::string(pg::cpu::isa()); });
 }

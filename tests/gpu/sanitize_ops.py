@@ -69,5 +69,13 @@ for group in (128, 32):
     dlpack.mixed_linear(x, q, s, 4, group_size=group, bias=torch.randn(264, device=dev, dtype=torch.bfloat16),
                         activation="gelu", stream=stream)
     n_calls += 1
+# out= into a column slice of a wider buffer (row stride N + 3: the sm_90 GEMMs refuse it) at
+# M = 16 (GEMV) and M = 100, and a dense gemm the same way: the kernels' strided stores.
+buf = torch.zeros(100, 267, device=dev, dtype=torch.bfloat16)
+for m in (16, 100):
+    dlpack.mixed_linear(x[:m], q, s, 4, group_size=32, stream=stream, out=buf[:m, :264])
+    n_calls += 1
+dlpack.gemm(x[:, :256], w[:, :256].T, stream=stream, out=buf[:, :264])
+n_calls += 1
 torch.cuda.synchronize()
 print(f"sanitize_ops: {n_calls} op calls completed on {torch.cuda.get_device_name()}")
