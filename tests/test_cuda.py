@@ -402,15 +402,18 @@ def test_dlpack_out_on_another_device_refused():
 
 
 # With out=, the door allocates nothing at M <= 64 (the GEMV), so a CUDA graph can capture it:
-# the replay reads x as it is at replay time and writes the same out.
+# the replay reads x as it is at replay time and writes the same out. N = 1028 adds the
+# GEMV's last-rows launch, which overlaps the first on sm_90 (a programmatic dependent
+# launch, captured as such).
+@pytest.mark.parametrize("n", [1024, 1028])
 @pytest.mark.parametrize("m", [1, 16])
-def test_dlpack_out_captured_in_a_cuda_graph(m):
+def test_dlpack_out_captured_in_a_cuda_graph(m, n):
     from portable_gemm import dlpack
 
     dtype = torch.bfloat16
-    q, s = pg.quantize_weight(rand((1024, 2048), dtype, "cuda"), bits=4, group_size=128)
+    q, s = pg.quantize_weight(rand((n, 2048), dtype, "cuda"), bits=4, group_size=128)
     x = rand((m, 2048), dtype, "cuda")
-    out = torch.full((m, 1024), float("nan"), dtype=dtype, device="cuda")
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture (first-call set-up, as torch advises)
@@ -425,6 +428,28 @@ def test_dlpack_out_captured_in_a_cuda_graph(m):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, pg.mixed_linear(x, q, s, bits=4, group_size=128))
+
+
+# The GEMV's last-rows launch may start while the whole blocks' launch runs (sm_90: a
+# programmatic dependent launch) and finishes only after it: work queued next on the stream
+# must see every row. The door writes into a NaN-filled out and a copy is queued right
+# behind it, with no synchronisation in between; a large K keeps the first launch long.
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, None)], ids=str)
+@pytest.mark.parametrize("m", [1, 16])
+def test_gemv_last_rows_launch_keeps_stream_order(m, bits, group):
+    from portable_gemm import dlpack
+
+    n, k = 8196, 8192
+    q, s = pg.quantize_weight(rand((n, k), torch.bfloat16, "cuda"), bits=bits, group_size=group)
+    x = rand((m, k), torch.bfloat16, "cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    want = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
+    for _ in range(5):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        dlpack.mixed_linear(x, q, s, bits, group_size=group, stream=stream, out=out)
+        snap = out.clone()  # queued behind both launches on the same stream
+        torch.cuda.synchronize()
+        assert torch.equal(snap, want), "a kernel after the GEMV saw rows not yet written"
 
 
 # N not a multiple of the tensor-core GEMV's block of rows (32; 16 for int8 at M > 16): the

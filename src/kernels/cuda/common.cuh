@@ -20,6 +20,10 @@ namespace detail {
 Status status_from(cudaError_t e);
 // The status of the launches just made (cudaGetLastError of this library's cudart).
 inline Status launch_status() { return status_from(cudaGetLastError()); }
+// True when the current device can start a launch while the one before it in the stream
+// runs (programmatic dependent launch: compute capability 9.0 or newer). sm90_dispatch.cu,
+// from the device facts it reads once per device.
+bool current_device_overlaps_launches();
 
 inline bool aligned_to(const void* p, uintptr_t bytes) {
   return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;

@@ -18,6 +18,7 @@
 //                   16-bit copy would exceed 512 MiB where the sm_90 GEMM does not apply.
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
+#include <cstdlib>
 
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
@@ -454,7 +455,22 @@ struct TcvParams {
   // gs32, gstep and grstep fit 32 bits (gemv_tc_ok bounds the group size and count).
   int64_t q_rs8, s_rs8;
   int gs32, gstep, grstep;
+  // The last N % ROWS rows' launch overlaps the whole blocks' (programmatic dependent launch,
+  // sm_90): 1 in the whole blocks' launch (let the next launch start), 2 in the last rows'
+  // (finish only after the whole blocks have: the stream's order for what follows).
+  int pdl;
 };
+
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_wait_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // Streaming 16-byte weight load: read once, keep it out of L1 (x lives there). No bound
 // test: the kernel only runs over whole blocks of rows (gemv_tc_dispatch runs the last
@@ -578,6 +594,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU, WW = Cfg::WW;
   constexpr int RT = RT_, KW = tcv::KW, NACC = RT * MT * 4;
   __shared__ float red[KW][NACC][32];
+  if (p.pdl == 1) grid_launch_dependents();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   // SLICED: block b multiplies rows r0 .. r0 + 8 MT - 1 of x (slices of 16 rows, or of 32
@@ -839,19 +856,40 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
       static_cast<T*>(p.y)[m * p.y_rs + n * p.y_cs] = from_f32<T>(apply_act(v, p.act));
     }
   }
+  if (p.pdl == 2) grid_wait_prerequisites();
+}
+
+// One gemv_tc_kernel launch; with p.pdl == 2 a programmatic dependent launch, which may
+// start while the launch before it in the stream runs (that one set p.pdl = 1). Where the
+// driver refuses the attribute, a plain launch.
+inline void tc_launch(void (*kernel)(TcvParams), unsigned blocks, const TcvParams& p, cudaStream_t stream) {
+  if (p.pdl == 2) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(tcv::THREADS);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, kernel, p) == cudaSuccess) return;
+    cudaGetLastError();
+  }
+  kernel<<<blocks, tcv::THREADS, 0, stream>>>(p);
 }
 
 // The two-tile kernels (M > 8): half or whole chunks, offset form or not.
 template <typename T, typename S, int BITS, bool SLICED>
 void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t stream) {
   if (BITS == 4 && tcv_half(p.M, p.K)) {
-    if (offset) gemv_tc_kernel<T, S, 4, 2, true, true, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
-    else gemv_tc_kernel<T, S, 4, 2, false, true, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
+    if (offset) tc_launch(gemv_tc_kernel<T, S, 4, 2, true, true, SLICED>, nb, p, stream);
+    else tc_launch(gemv_tc_kernel<T, S, 4, 2, false, true, SLICED>, nb, p, stream);
   } else {
     if (offset)
-      gemv_tc_kernel<T, S, BITS, 2, BITS == 4, false, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
+      tc_launch(gemv_tc_kernel<T, S, BITS, 2, BITS == 4, false, SLICED>, nb, p, stream);
     else
-      gemv_tc_kernel<T, S, BITS, 2, false, false, SLICED><<<nb, tcv::THREADS, 0, stream>>>(p);
+      tc_launch(gemv_tc_kernel<T, S, BITS, 2, false, false, SLICED>, nb, p, stream);
   }
 }
 
@@ -870,17 +908,15 @@ Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
       if (four_blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
       const unsigned fb = static_cast<unsigned>(four_blocks);
       if (p.slices == 1)
-        gemv_tc_kernel<T, S, BITS, 4, false, false, false, tcv::FOUR_RT>
-            <<<fb, tcv::THREADS, 0, stream>>>(p);
+        tc_launch(gemv_tc_kernel<T, S, BITS, 4, false, false, false, tcv::FOUR_RT>, fb, p, stream);
       else
-        gemv_tc_kernel<T, S, BITS, 4, false, false, true, tcv::FOUR_RT>
-            <<<fb, tcv::THREADS, 0, stream>>>(p);
+        tc_launch(gemv_tc_kernel<T, S, BITS, 4, false, false, true, tcv::FOUR_RT>, fb, p, stream);
       return launch_status();
     }
   }
   if (p.M <= 8) {
-    if (offset) gemv_tc_kernel<T, S, BITS, 1, BITS == 4, false><<<nb, tcv::THREADS, 0, stream>>>(p);
-    else gemv_tc_kernel<T, S, BITS, 1, false, false><<<nb, tcv::THREADS, 0, stream>>>(p);
+    if (offset) tc_launch(gemv_tc_kernel<T, S, BITS, 1, BITS == 4, false>, nb, p, stream);
+    else tc_launch(gemv_tc_kernel<T, S, BITS, 1, false, false>, nb, p, stream);
   } else if (p.slices == 1) {
     launch_gemv_tc2<T, S, BITS, false>(p, offset, nb, stream);
   } else if constexpr (BITS == 4) {  // int8 takes every M > 16 above (tcv_four)
@@ -1012,6 +1048,9 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.act = static_cast<int>(a.activation);
   // slices of 8 MT rows of x, as gemv_tc_kernel takes them (MT = 4 with tcv_four, else 2)
   p.slices = static_cast<int>(ceil_div(a.x.rows, four ? 2 * GEMV_MAX_M : GEMV_MAX_M));
+  // The last rows' launch overlaps this one where the device can (see below).
+  const bool overlap = p.N != a.w.n && std::getenv("PGX_NO_PDL") == nullptr && current_device_overlaps_launches();
+  p.pdl = overlap ? 1 : 0;
   auto launch = [&](const TcvParams& q) {
     return a.x.dtype == DType::f16 ? launch_gemv_tc<__half, BITS>(q, a.w.scales_dtype, stream)
                                    : launch_gemv_tc<__nv_bfloat16, BITS>(q, a.w.scales_dtype, stream);
@@ -1032,6 +1071,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   if (p.bias) t.bias = static_cast<const char*>(p.bias) + n0 * p.bias_stride * tb;
   t.y = static_cast<char*>(p.y) + n0 * p.y_cs * tb;
   t.N = rows;
+  t.pdl = overlap ? 2 : 0;
   return launch(t);
 }
 

@@ -48,6 +48,15 @@ bool sm90_enabled() {
 
 }  // namespace
 
+bool current_device_overlaps_launches() {
+  int device = 0, cc = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return device_facts(device, &cc, &sms) && cc >= 90;
+}
+
 bool current_device_takes_sm90(int* device, int* sms) {
   int cc = 0;
   if (!sm90_enabled()) return false;
