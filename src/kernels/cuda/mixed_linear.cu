@@ -18,7 +18,6 @@
 //                   16-bit copy would exceed 512 MiB where the sm_90 GEMM does not apply.
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
-#include <cstdlib>
 
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
@@ -1049,7 +1048,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   // slices of 8 MT rows of x, as gemv_tc_kernel takes them (MT = 4 with tcv_four, else 2)
   p.slices = static_cast<int>(ceil_div(a.x.rows, four ? 2 * GEMV_MAX_M : GEMV_MAX_M));
   // The last rows' launch overlaps this one where the device can (see below).
-  const bool overlap = p.N != a.w.n && std::getenv("PGX_NO_PDL") == nullptr && current_device_overlaps_launches();
+  const bool overlap = p.N != a.w.n && current_device_overlaps_launches();
   p.pdl = overlap ? 1 : 0;
   auto launch = [&](const TcvParams& q) {
     return a.x.dtype == DType::f16 ? launch_gemv_tc<__half, BITS>(q, a.w.scales_dtype, stream)
@@ -1064,6 +1063,10 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   // 24-48 bytes of spills and 1.04-1.10x the time at K = 28672, M = 9..16 (run 62b). The
   // SIMT GEMV took these rows until run 62: its one block walked all of K for them, and
   // (K, N) = (8192, 8196) int4 g128 at M = 48 took 527 us against bf16 F.linear's 54 (run 61b).
+  // On sm_90 the second launch runs beside the first (programmatic dependent launch): its
+  // one block walks K while the whole blocks do, instead of after them; 0.56-0.95x the time
+  // of the launches one after the other, 8192 x 8196 int4 g128 M = 16 34.1 -> 21.0 us
+  // (bench/GPU_NOTES.md, run 67).
   const int64_t n0 = a.w.n - rows, tb = static_cast<int64_t>(dtype_size(a.x.dtype));
   TcvParams t = p;
   t.q += n0 * p.q_rs;
