@@ -433,7 +433,10 @@ def test_dlpack_out_captured_in_a_cuda_graph(m, n):
 # The GEMV's last-rows launch may start while the whole blocks' launch runs (sm_90: a
 # programmatic dependent launch) and finishes only after it: work queued next on the stream
 # must see every row. The door writes into a NaN-filled out and a copy is queued right
-# behind it, with no synchronisation in between; a large K keeps the first launch long.
+# behind it, with no synchronisation in between. This checks the values behind both
+# launches as a later kernel reads them; it cannot force the interleaving that a missing
+# griddepcontrol.wait would expose (the last rows' one block starts with the first launch's
+# last wave and walks as long as its blocks), so the wait's place is argued in the code.
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, None)], ids=str)
 @pytest.mark.parametrize("m", [1, 16])
 def test_gemv_last_rows_launch_keeps_stream_order(m, bits, group):

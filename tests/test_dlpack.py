@@ -196,6 +196,23 @@ def test_out_refused_before_anything_is_written(case):
         assert np.array_equal(np.asarray(out), before)
 
 
+def test_out_refuses_a_dlpack_capsule():
+    import torch.utils.dlpack as tdl
+
+    a, b = np.ones((4, 6), np.float32), np.ones((6, 5), np.float32)
+    with pytest.raises(TypeError, match="not a DLPack capsule"):
+        door.gemm(a, b, out=tdl.to_dlpack(torch.zeros(4, 5)))
+
+
+def test_out_next_to_an_empty_operand():
+    # an operand with no elements occupies no bytes, even where its address lies inside out
+    buf = np.full((5, 8), np.nan, np.float32)
+    a = buf[1:5, 2:2]  # (4, 0), K = 0: its address lies inside out's span (elements 4..31)
+    out = buf[0:4, 4:8]
+    assert door.gemm(a, np.ones((0, 4), np.float32), out=out) is out
+    assert (out == 0).all()  # a sum over no k
+
+
 def test_out_partial_overlap_detected_through_views():
     # out is a window of the same buffer as a, shifted by one row: they share bytes
     buf = np.random.default_rng(0).standard_normal((9, 8), np.float32)

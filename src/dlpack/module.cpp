@@ -245,10 +245,12 @@ std::pair<uintptr_t, uintptr_t> byte_span(const A& a) {
   return {base + lo, base + hi + item};
 }
 
-// Where the result goes: a fresh array, or the caller's `out` (returned as given).
+// Where the result goes: a fresh array, or the caller's `out` (returned as given; its
+// import is held until the kernel has run, like the operands').
 struct Result {
   std::optional<Output> fresh;
   nb::handle out;
+  OutArray held;
   nb::object to_python(nb::handle like, bool bf16_bits) {
     return fresh ? fresh->to_python(like, bf16_bits) : nb::borrow(out);
   }
@@ -257,9 +259,11 @@ struct Result {
 // out=: a writable rows x n array of the result's dtype on the operands' device, with unit
 // column stride (any row stride >= n, e.g. a column slice of a wider buffer), sharing no
 // byte with an operand. Checked before any kernel runs, so a refused call leaves it as it was.
-pg::Matrix out_matrix(nb::handle out_obj, int64_t rows, int64_t n, pg::DType dt, const Where& w, bool bf16_bits,
-                      std::initializer_list<std::pair<const Array*, const char*>> operands) {
-  OutArray o;
+pg::Matrix out_matrix(nb::handle out_obj, OutArray& o, int64_t rows, int64_t n, pg::DType dt, const Where& w,
+                      bool bf16_bits, std::initializer_list<std::pair<const Array*, const char*>> operands) {
+  // A bare DLPack capsule is consumed by its import: the caller could not read the result
+  if (nb::isinstance<nb::capsule>(out_obj))
+    throw nb::type_error("out must be the array itself, not a DLPack capsule (the capsule is used up once read)");
   if (!nb::try_cast<OutArray>(out_obj, o))
     throw nb::type_error(("out must be a writable array (NumPy, or any object with __dlpack__ on the CPU or a "
                           "CUDA device), got " + std::string(nb::inst_name(out_obj).c_str()) +
@@ -280,7 +284,7 @@ pg::Matrix out_matrix(nb::handle out_obj, int64_t rows, int64_t n, pg::DType dt,
   for (const auto& [a, name] : operands) {
     if (!a || first == last) continue;
     const auto [afirst, alast] = byte_span(*a);
-    if (afirst < last && first < alast)
+    if (afirst != alast && afirst < last && first < alast)
       throw nb::value_error(("out overlaps " + std::string(name) + "; write the result to memory no operand uses")
                                 .c_str());
   }
@@ -305,7 +309,7 @@ Result epilogue_and_output(Args& args, pg::Matrix Args::*out_field, int64_t rows
   Result r;
   if (out) {
     r.out = *out;
-    args.*out_field = out_matrix(*out, rows, n, dt, w, bf16_bits, operands);
+    args.*out_field = out_matrix(*out, r.held, rows, n, dt, w, bf16_bits, operands);
   } else {
     r.fresh.emplace(std::initializer_list<size_t>{(size_t)rows, (size_t)n}, dt, w);
     args.*out_field = pg::Matrix{r.fresh->data, rows, n, std::max<int64_t>(n, 1), 1, dt};
