@@ -234,19 +234,20 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group,k", [
-    (4, 128, 2048), (4, None, 8320), (4, 32, 8320), (8, None, 2048), (8, 16, 1024),
-    (8, 64, 2048),
+    (4, 128, 2048), (4, None, 2048), (4, 32, 2048), (4, None, 8320), (4, 32, 8320),
+    (8, None, 2048), (8, 16, 1024), (8, 64, 2048),
 ], ids=lambda v: str(v))
 def test_mixed_linear_sliced_m(device, bits, group, k):
     # 16 < M <= 64 with the CUDA tensor-core GEMV's preconditions (on sm_90 and above 32
-    # rows, a weight of at most 16 MiB, as here) runs int4 on that GEMV over x in slices of 16 rows,
-    # one launch (bench/GPU_NOTES.md, runs 47 and 57), and int8 with four 8-row x tiles over
-    # 16-row weight blocks, in slices of 32 rows (runs 54 and 57): M on both sides of the
-    # slice edges and of the limit (65 takes the many-row path), half chunks (K = 2048)
-    # and whole ones (int4 K = 8320), groups that scale chunk sums (int4 g128, int8 g64) and
-    # groups folded into the weights. N = 72: whole blocks of 32 (int8: 16) rows and an 8-row
-    # tail, which the CUDA path runs on the SIMT GEMV slice by slice; the tail is checked on
-    # its own. Bias and activation (the epilogue maps each slice's or tile's rows).
+    # rows, a weight of at most 16 MiB, as here) runs on that GEMV in one launch: with four
+    # 8-row x tiles over 16-row weight blocks, in slices of 32 rows (int8, runs 54 and 57;
+    # int4 with half chunks, K <= 8192, run 73), and int4 at K > 8192 over x in slices of 16
+    # rows (runs 47 and 57): M on both sides of the slice edges and of the limit (65 takes
+    # the many-row path), half chunks (K = 2048) and whole ones (int4 K = 8320), per channel,
+    # groups that scale chunk sums (int4 g128, int8 g64) and groups folded into the weights
+    # (int4 g32, int8 g16). N = 72: whole blocks of 32 (int4 at K > 8192) or 16 rows and an 8-row
+    # tail, which the CUDA path runs as one more whole block ending at row N; the tail is
+    # checked on its own. Bias and activation (the epilogue maps each slice's or tile's rows).
     q, s = pg.quantize_weight(rand((72, k), torch.float32, device), bits=bits, group_size=group)
     check_m_list(device, q, s, bits, group, (17, 24, 31, 32, 33, 40, 48, 63, 64, 65), activation="gelu",
                  parts={"blocks": slice(0, 64), "tail": slice(64, 72)})

@@ -144,6 +144,18 @@ TAIL_CASES = [
     for m in (1, 16, 48)
 ] + [(k, n, bits, g, m, "bf16") for (k, n) in [(8192, 8192), (28672, 8192)] for bits, g in [(4, 128), (8, 0)]
      for m in (1, 16, 24)]
+# --cases four4: int4 at M = 17..64 with K <= 8192 on the small-M GEMV, in slices of 16 rows
+# (two x tiles) or in one pass of four x tiles per 32 rows (run 73), the schemes on their own
+# code paths (chunk scales, per channel, folded groups, f16 x), plus controls no switch
+# touches (M = 16, K > 8192, int8).
+FOUR4_CASES = [
+    (k, n, 4, 128, m, "bf16") for (k, n) in [(8192, 8192), (4096, 4096), (4096, 12288), (4096, 22016)]
+    for m in (17, 24, 32)
+] + [
+    (8192, 8192, 4, 0, 32, "bf16"), (8192, 8192, 4, 32, 32, "bf16"), (8192, 8192, 4, 64, 24, "bf16"),
+    (8192, 8192, 4, 128, 32, "f16"), (4096, 4096, 4, 128, 48, "bf16"), (4096, 4096, 4, 128, 64, "bf16"),
+    (8192, 8192, 4, 128, 16, "bf16"), (11008, 4096, 4, 128, 32, "bf16"), (8192, 8192, 8, 0, 32, "bf16"),
+]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -271,9 +283,9 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail"], default="small",
+    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4"], default="small",
                    help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32; "
-                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N % 32 != 0")
+                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N % 32 != 0; four4: int4 M = 17..64 at K <= 8192")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
@@ -289,7 +301,7 @@ def main() -> int:
         return 0
     if args.cmd == "run":
         run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES,
-             "mid2": MID2_CASES, "refused": REFUSED_CASES, "tail": TAIL_CASES}[args.cases])
+             "mid2": MID2_CASES, "refused": REFUSED_CASES, "tail": TAIL_CASES, "four4": FOUR4_CASES}[args.cases])
     else:
         compare(args.out, args.a, args.b)
     return 0
