@@ -239,13 +239,13 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
 ], ids=lambda v: str(v))
 def test_mixed_linear_sliced_m(device, bits, group, k):
     # 16 < M <= 64 with the CUDA tensor-core GEMV's preconditions (on sm_90 and above 32
-    # rows, a weight of at most 16 MiB, as here) runs on that GEMV in one launch: with four
-    # 8-row x tiles over 16-row weight blocks, in slices of 32 rows (int8, runs 54 and 57;
-    # int4 with half chunks, K <= 8192, run 73), and int4 at K > 8192 over x in slices of 16
-    # rows (runs 47 and 57): M on both sides of the slice edges and of the limit (65 takes
-    # the many-row path), half chunks (K = 2048) and whole ones (int4 K = 8320), per channel,
-    # groups that scale chunk sums (int4 g128, int8 g64) and groups folded into the weights
-    # (int4 g32, int8 g16). N = 72: whole blocks of 32 (int4 at K > 8192) or 16 rows and an 8-row
+    # rows, a weight of at most 16 MiB, as here) runs on that GEMV in one launch: int4 over x
+    # in slices of 16 rows (runs 47 and 57; four x tiles a pass were slower, run 73), int8
+    # with four 8-row x tiles over 16-row weight blocks, in slices of 32 rows (runs 54 and
+    # 57): M on both sides of the slice edges and of the limit (65 takes the many-row path),
+    # half chunks (K = 2048) and whole ones (int4 K = 8320), per channel, groups that scale
+    # chunk sums (int4 g128, int8 g64) and groups folded into the weights (int4 g32, int8
+    # g16). N = 72: whole blocks of 32 (int4) or 16 (int8) rows and an 8-row
     # tail, which the CUDA path runs as one more whole block ending at row N; the tail is
     # checked on its own. Bias and activation (the epilogue maps each slice's or tile's rows).
     q, s = pg.quantize_weight(rand((72, k), torch.float32, device), bits=bits, group_size=group)

@@ -18,7 +18,6 @@
 //                   16-bit copy would exceed 512 MiB where the sm_90 GEMM does not apply.
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
-#include <cstdlib>
 
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
@@ -428,21 +427,9 @@ __host__ __device__ constexpr bool tcv_half(int64_t m, int64_t k) {
 // shape of issue 7 (outputs bit-equal: the same MMAs in the same order). x is loaded per
 // chunk (a prefetch stage would spill). int4 stays on the slices: its B fragments for four
 // tiles take 64 registers.
-// int4 at M = 17..32 with half chunks (K <= 8192) the same way (MT = 4, half chunks: the B
-// fragments of four tiles take 32 registers), without the offset form, whose correction
-// MMAs would double the MMAs of one weight tile. PGX_FOUR4=0 keeps int4 on the slices
-// (temporary A/B switch).
-inline bool tcv_four4_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("PGX_FOUR4");
-    return !(e && e[0] == '0');
-  }();
-  return on;
-}
 template <int BITS>
-inline bool tcv_four(int64_t m, int64_t k) {
-  if (BITS == 8) return m > 16;
-  return m > 16 && tcv_half(m, k) && tcv_four4_enabled();
+constexpr bool tcv_four(int64_t m) {
+  return BITS == 8 && m > 16;
 }
 
 struct TcvParams {
@@ -914,23 +901,24 @@ Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
   const unsigned nb = static_cast<unsigned>(blocks);
   // int4 with whole-chunk scales (per channel or groups of >= 128): the offset form.
   const bool offset = BITS == 4 && p.mode != 2;
-  if (tcv_four<BITS>(p.M, p.K)) {
-    const int64_t four_blocks = p.N / tcv::FOUR_ROWS * p.slices;
-    if (four_blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
-    const unsigned fb = static_cast<unsigned>(four_blocks);
-    constexpr bool HALF = BITS == 4;  // int4: tcv_four only with half chunks
-    if (p.slices == 1)
-      tc_launch(gemv_tc_kernel<T, S, BITS, 4, false, HALF, false, tcv::FOUR_RT>, fb, p, stream);
-    else
-      tc_launch(gemv_tc_kernel<T, S, BITS, 4, false, HALF, true, tcv::FOUR_RT>, fb, p, stream);
-    return launch_status();
+  if constexpr (BITS == 8) {  // tcv_four: no int4 kernel with four x tiles is built
+    if (tcv_four<BITS>(p.M)) {
+      const int64_t four_blocks = p.N / tcv::FOUR_ROWS * p.slices;
+      if (four_blocks > 0x7fffffff) return status_from(cudaErrorInvalidConfiguration);
+      const unsigned fb = static_cast<unsigned>(four_blocks);
+      if (p.slices == 1)
+        tc_launch(gemv_tc_kernel<T, S, BITS, 4, false, false, false, tcv::FOUR_RT>, fb, p, stream);
+      else
+        tc_launch(gemv_tc_kernel<T, S, BITS, 4, false, false, true, tcv::FOUR_RT>, fb, p, stream);
+      return launch_status();
+    }
   }
   if (p.M <= 8) {
     if (offset) tc_launch(gemv_tc_kernel<T, S, BITS, 1, BITS == 4, false>, nb, p, stream);
     else tc_launch(gemv_tc_kernel<T, S, BITS, 1, false, false>, nb, p, stream);
   } else if (p.slices == 1) {
     launch_gemv_tc2<T, S, BITS, false>(p, offset, nb, stream);
-  } else if constexpr (BITS == 4) {  // int8 takes every M > 16 above (tcv_four), int4 at K > 8192
+  } else if constexpr (BITS == 4) {  // int8 takes every M > 16 above (tcv_four)
     launch_gemv_tc2<T, S, BITS, true>(p, offset, nb, stream);
   }
   return launch_status();
@@ -1050,7 +1038,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.y_cs = a.y.col_stride;
   // Whole blocks of rows, so that the kernel carries no row bounds; fewer rows than a block
   // take the SIMT GEMV.
-  const bool four = tcv_four<BITS>(a.x.rows, a.x.cols);
+  const bool four = tcv_four<BITS>(a.x.rows);
   const int64_t rows = four ? tcv::FOUR_ROWS : tcv::ROWS;
   if (a.w.n < rows) return gemv_simt(a, stream);
   p.N = a.w.n / rows * rows;
