@@ -38,8 +38,8 @@ def met(cells: list[str]) -> bool:
     return cells[2] == "yes"
 
 
-# The committed CPU runs: the main table (Zen 4 VM, 0c7b162; 8463bc3 the run before), the AMX host's full runs (run 43c on a quiet
-# host, run 44e on a loaded one), the Zen 5 VM's full runs (58813e3 with target 2.9 on torch's
+# The committed CPU runs: the main table (Zen 4 VM, 0c7b162; 8463bc3 the run before), the AMX
+# host's full runs (run 43c on a quiet host, run 44e on a loaded one), the Zen 5 VM's full runs (58813e3 with target 2.9 on torch's
 # OpenMP, ee8f0a3 with bf16 A read in place, 3f7c079 before it, b02b399 before the tile path's
 # new cuts, and 3d0b749 before its passes of 1024 k), the AVX2 quick runs (201cf04 with dense
 # rows; 0e42798 without).
