@@ -18,7 +18,6 @@
 //                   16-bit copy would exceed 512 MiB where the sm_90 GEMM does not apply.
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
-#include <cstdlib>
 
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
@@ -588,7 +587,7 @@ __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
 // scales' element type.
 // RT_: 16-row weight tiles per warp (a block's rows are 16 RT_).
 template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF, bool SLICED = false,
-          int RT_ = tcv::RT, int RING = 0>
+          int RT_ = tcv::RT>
 __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   using Cfg = TcvCfg<BITS, HALF>;
   constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU, WW = Cfg::WW;
@@ -632,10 +631,6 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // where the two register stages of x (64 registers) would spill: there x is loaded per
   // chunk.
   constexpr bool XPF = MT < 4 && !(BITS == 4 && MT == 2 && !HALF);  // MT = 4: x per chunk too
-  // PROBE (RING > 0): the weights and x of the next RING - 1 chunks a warp walks go through a
-  // ring of RING stages in shared memory (cp.async, each lane copies and later reads only its
-  // own bytes: no barrier), the scales one chunk ahead in registers.
-  constexpr bool XS = XPF || RING > 0;
   struct Stage {
     uint32_t w[RT][2][WW];
     uint32_t s[RT][2];  // raw scale bits (mode 1, 2)
@@ -654,25 +649,6 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     }
   };
   // Loads chunk c into st; called for c = warp, warp + KW, ... in this order.
-  // PROBE: the scales alone (the ring's register stage).
-  auto load_s = [&](uint32_t (&sd)[RT][2]) {
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int j = 2 * rt + h;
-        const char* sp = sbase + j * p.s_rs8 + (gidx << SSHIFT);
-        ldg_scale_if<S>(sd[rt][h], sp, p.mode != 0);
-      }
-    if (p.mode != 0) {
-      gidx += p.gstep;
-      grem += p.grstep;
-      if (grem >= p.gs32) {
-        grem -= p.gs32;
-        ++gidx;
-      }
-    }
-  };
   auto load = [&](int64_t c, Stage& st) {
     const uint8_t* pc = wbase + c * (CHUNK * BITS / 8);
 #pragma unroll
@@ -701,8 +677,8 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   };
   auto compute = [&](int64_t c, const Stage& st) {
     uint4 xl[MT][XU];
-    if constexpr (!XS) load_x(c, xl);
-    const uint4(*xc)[XU] = XS ? st.x : xl;
+    if constexpr (!XPF) load_x(c, xl);
+    const uint4(*xc)[XU] = XPF ? st.x : xl;
     const bool fold = p.mode == 2;
     // x as B fragments, once per chunk for all RT weight tiles: [j][t][mt] for int4
     // (prmt into the permuted k order), [j][mt] for int8 (the words as they are).
@@ -831,88 +807,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   };
 
   int64_t c = warp;
-  if constexpr (RING > 0) {
-    extern __shared__ __align__(16) uint4 ring_smem[];
-    constexpr int PB = WW * 4;                       // bytes of one weight piece (8 or 16)
-    constexpr int WU = (RT * 2 * PB + 15) / 16;      // 16-byte units of weight per lane
-    constexpr int UNITS = WU + MT * XU;
-    uint4* wring = ring_smem + warp * (RING * UNITS * 32) + lane;
-    auto copy = [&](int64_t cc, int slot) {
-      uint4* dst = wring + slot * (UNITS * 32);
-      const uint8_t* pc = wbase + cc * (CHUNK * BITS / 8);
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int pi = 2 * rt + h;
-          const void* src = pc + pi * p.q_rs8;
-          if constexpr (PB == 16) {
-            const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + pi * 32));
-            asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(d), "l"(src)
-                         : "memory");
-          } else {
-            const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(
-                reinterpret_cast<char*>(dst + (pi / 2) * 32) + (pi % 2) * 8));
-            asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 8;\n" ::"r"(d), "l"(src)
-                         : "memory");
-          }
-        }
-      const int64_t k = cc * CHUNK + tig * LK;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int m = min(r0 + mt * 8 + g, p.M - 1);
-        const T* src = xg + m * p.x_rs + k;
-#pragma unroll
-        for (int u = 0; u < XU; ++u) {
-          const unsigned d =
-              static_cast<unsigned>(__cvta_generic_to_shared(dst + (WU + mt * XU + u) * 32));
-          asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src + 8 * u)
-                       : "memory");
-        }
-      }
-    };
-#pragma unroll
-    for (int i = 0; i < RING - 1; ++i) {
-      if (c + i * KW < nchunks) copy(c + i * KW, i);
-      cp_async_commit();
-    }
-    uint32_t s_cur[RT][2], s_nxt[RT][2];
-    if (c < nchunks) load_s(s_cur);
-    int slot = 0;
-    for (; c < nchunks; c += KW) {
-      const int64_t cf = c + (RING - 1) * KW;
-      if (cf < nchunks) copy(cf, slot == 0 ? RING - 1 : slot - 1);
-      cp_async_commit();
-      if (c + KW < nchunks) load_s(s_nxt);
-      cp_async_wait<RING - 1>();
-      Stage st;
-      const uint4* src = wring + slot * (UNITS * 32);
-      uint4 wu[WU];
-#pragma unroll
-      for (int u = 0; u < WU; ++u) wu[u] = src[u * 32];
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int pi = 2 * rt + h;
-#pragma unroll
-          for (int w = 0; w < WW; ++w)
-            st.w[rt][h][w] = PB == 16 ? word_of(wu[pi], w) : word_of(wu[pi / 2], (pi % 2) * 2 + w);
-          st.s[rt][h] = s_cur[rt][h];
-        }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int u = 0; u < XU; ++u) st.x[mt][u] = src[(WU + mt * XU + u) * 32];
-      compute(c, st);
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) s_cur[rt][h] = s_nxt[rt][h];
-      slot = slot + 1 == RING ? 0 : slot + 1;
-    }
-    cp_async_wait<0>();
-  } else if constexpr (BITS == 4) {
+  if constexpr (BITS == 4) {
     // Two stages used in turn (the loop body is written out twice), so that the stage being
     // loaded is never copied into the one being computed: the copy cost ~40 moves per
     // chunk, and int4 runs 8-22% faster without it (bench/GPU_NOTES.md, run 28).
@@ -966,8 +861,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 // One gemv_tc_kernel launch; with p.pdl == 2 a programmatic dependent launch, which may
 // start while the launch before it in the stream runs (that one set p.pdl = 1). Where the
 // driver refuses the attribute, a plain launch.
-inline void tc_launch(void (*kernel)(TcvParams), unsigned blocks, const TcvParams& p, cudaStream_t stream,
-                      size_t smem = 0) {
+inline void tc_launch(void (*kernel)(TcvParams), unsigned blocks, const TcvParams& p, cudaStream_t stream) {
   if (p.pdl == 2) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -976,61 +870,17 @@ inline void tc_launch(void (*kernel)(TcvParams), unsigned blocks, const TcvParam
     cfg.gridDim = dim3(blocks);
     cfg.blockDim = dim3(tcv::THREADS);
     cfg.stream = stream;
-    cfg.dynamicSmemBytes = smem;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     if (cudaLaunchKernelEx(&cfg, kernel, p) == cudaSuccess) return;
     cudaGetLastError();
   }
-  kernel<<<blocks, tcv::THREADS, smem, stream>>>(p);
-}
-
-// PROBE: PGX_RING = 1 the two-tile kernels (M > 8) through the shared-memory ring, 2 the
-// same with whole int4 chunks (no half chunks), 3 as 1 and the one-tile kernels (M <= 8) too.
-inline int ring_switch() {
-  static const int v = [] {
-    const char* e = std::getenv("PGX_RING");
-    return e ? std::atoi(e) : 0;
-  }();
-  return v;
-}
-template <int BITS, int MT, bool HALF>
-constexpr int ring_units() {
-  return (tcv::RT * 2 * TcvCfg<BITS, HALF>::WW * 4 + 15) / 16 + MT * TcvCfg<BITS, HALF>::XU;
-}
-// Stages: as many as fit two blocks an SM next to the reduction buffer, at most 4.
-template <int BITS, int MT, bool HALF>
-constexpr int ring_stages() {
-  constexpr int stage = ring_units<BITS, MT, HALF>() * 512 * tcv::KW;
-  constexpr int red = tcv::KW * tcv::RT * MT * 4 * 32 * 4;
-  constexpr int d = (113 * 1024 - red) / stage;
-  return d > 4 ? 4 : d;
-}
-template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF, bool SLICED>
-void ring_launch(unsigned nb, const TcvParams& p, cudaStream_t stream) {
-  constexpr int D = ring_stages<BITS, MT, HALF>();
-  static_assert(D >= 2, "ring needs two stages");
-  constexpr size_t smem = static_cast<size_t>(D) * ring_units<BITS, MT, HALF>() * 512 * tcv::KW;
-  auto k = gemv_tc_kernel<T, S, BITS, MT, OFFSET, HALF, SLICED, tcv::RT, D>;
-  set_dynamic_smem(k, smem);
-  cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-  tc_launch(k, nb, p, stream, smem);
+  kernel<<<blocks, tcv::THREADS, 0, stream>>>(p);
 }
 
 // The two-tile kernels (M > 8): half or whole chunks, offset form or not.
 template <typename T, typename S, int BITS, bool SLICED>
 void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t stream) {
-  const int rs = ring_switch();
-  if (rs != 0) {
-    if (BITS == 4 && rs != 2 && tcv_half(p.M, p.K)) {
-      if (offset) ring_launch<T, S, 4, 2, true, true, SLICED>(nb, p, stream);
-      else ring_launch<T, S, 4, 2, false, true, SLICED>(nb, p, stream);
-    } else {
-      if (offset) ring_launch<T, S, BITS, 2, BITS == 4, false, SLICED>(nb, p, stream);
-      else ring_launch<T, S, BITS, 2, false, false, SLICED>(nb, p, stream);
-    }
-    return;
-  }
   if (BITS == 4 && tcv_half(p.M, p.K)) {
     if (offset) tc_launch(gemv_tc_kernel<T, S, 4, 2, true, true, SLICED>, nb, p, stream);
     else tc_launch(gemv_tc_kernel<T, S, 4, 2, false, true, SLICED>, nb, p, stream);
@@ -1063,10 +913,7 @@ Status launch_gemv_tc(const TcvParams& p, cudaStream_t stream) {
       return launch_status();
     }
   }
-  if (p.M <= 8 && ring_switch() == 3) {
-    if (offset) ring_launch<T, S, BITS, 1, BITS == 4, false, false>(nb, p, stream);
-    else ring_launch<T, S, BITS, 1, false, false, false>(nb, p, stream);
-  } else if (p.M <= 8) {
+  if (p.M <= 8) {
     if (offset) tc_launch(gemv_tc_kernel<T, S, BITS, 1, BITS == 4, false>, nb, p, stream);
     else tc_launch(gemv_tc_kernel<T, S, BITS, 1, false, false>, nb, p, stream);
   } else if (p.slices == 1) {
@@ -1166,9 +1013,8 @@ bool gemv_tc_ok(const MixedLinearArgs& a) {
 
 template <int BITS>
 Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
-  const int64_t chunk = BITS == 4 && tcv_half(a.x.rows, a.x.cols) && ring_switch() != 2
-                            ? TcvCfg<BITS, true>::CHUNK
-                            : TcvCfg<BITS>::CHUNK;
+  const int64_t chunk = BITS == 4 && tcv_half(a.x.rows, a.x.cols) ? TcvCfg<BITS, true>::CHUNK
+                                                                  : TcvCfg<BITS>::CHUNK;
   TcvParams p;
   p.x = a.x.data;
   p.x_rs = a.x.row_stride;
