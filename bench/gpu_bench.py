@@ -419,8 +419,9 @@ def goals(result: dict) -> list[str]:
             "MMAs and x fragments per weight byte (two x tiles) at its register cap (128, 16 warps an SM); "
             "Nsight Compute in run 35g (int4 8192^2 M = 16): it issues on 35% of cycles, waits 4.9 cycles per "
             "instruction on global loads and reads DRAM at 34% of peak (48% at M = 1). Sharing x across warps, 4 row "
-            "tiles a warp, x prefetched a chunk ahead and deeper prefetch did not move 8192^2 "
-            "(bench/GPU_NOTES.md, runs 33e, 35d, 35g, 36a, 36d, 39)")
+            "tiles a warp, x prefetched a chunk ahead, deeper prefetch, two one-tile passes, the weights through "
+            "shared memory (a TMA ring), wgmma m64n16k16 and the weights and x through a per-warp shared-memory ring "
+            "did not move 8192^2 (bench/GPU_NOTES.md, runs 33e, 35d, 35g, 36a, 36d, 39, 45d, 45e, 46b, 52, 75)")
     tg = result.get("targets")
     if tg:
         ratios = tg["ratios"]
