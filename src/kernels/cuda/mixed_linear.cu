@@ -648,16 +648,29 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
       for (int u = 0; u < XU; ++u) xd[mt][u] = __ldg(src + u);
     }
   };
+  // With x prefetched, the loads' addresses are running pointers advanced by a constant
+  // each chunk (RUNP): recomputed from the parameters at every chunk they cost ~30
+  // instructions of it (the compiler's choice at the register cap). Not where ptxas then
+  // spills: half chunks with f16 scales or in slices.
+  constexpr bool RUNP = XPF && !(HALF && (SLICED || std::is_same<S, __half>::value));
+  const uint8_t* pw = wbase + warp * (CHUNK * BITS / 8);
+  const char* psc = sbase + (static_cast<int64_t>(gidx) << SSHIFT);
+  const T* pxr[MT];
+  if constexpr (RUNP)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      pxr[mt] = xg + min(r0 + mt * 8 + g, p.M - 1) * p.x_rs + warp * CHUNK + tig * LK;
   // Loads chunk c into st; called for c = warp, warp + KW, ... in this order.
   auto load = [&](int64_t c, Stage& st) {
-    const uint8_t* pc = wbase + c * (CHUNK * BITS / 8);
+    const uint8_t* pc = RUNP ? pw : wbase + c * (CHUNK * BITS / 8);
+    if constexpr (RUNP) pw += KW * (CHUNK * BITS / 8);
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * rt + h;
         ldg_stream(st.w[rt][h], pc + j * p.q_rs8);
-        const char* sp = sbase + j * p.s_rs8 + (gidx << SSHIFT);
+        const char* sp = (RUNP ? psc : sbase + (gidx << SSHIFT)) + j * p.s_rs8;
         // int4 whole chunks at M > 8 are at the register cap: there the branch form spills less.
         if constexpr (XPF) {
           ldg_scale_if<S>(st.s[rt][h], sp, p.mode != 0);
@@ -666,14 +679,26 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         }
       }
     if (p.mode != 0) {
-      gidx += p.gstep;
+      if constexpr (RUNP) psc += p.gstep << SSHIFT;
+      else gidx += p.gstep;
       grem += p.grstep;
       if (grem >= p.gs32) {
         grem -= p.gs32;
-        ++gidx;
+        if constexpr (RUNP) psc += 1 << SSHIFT;
+        else ++gidx;
       }
     }
-    if constexpr (XPF) load_x(c, st.x);
+    if constexpr (RUNP) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4* src = reinterpret_cast<const uint4*>(pxr[mt]);
+#pragma unroll
+        for (int u = 0; u < XU; ++u) st.x[mt][u] = __ldg(src + u);
+        pxr[mt] += KW * CHUNK;
+      }
+    } else if constexpr (XPF) {
+      load_x(c, st.x);
+    }
   };
   auto compute = [&](int64_t c, const Stage& st) {
     uint4 xl[MT][XU];
