@@ -649,9 +649,11 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     }
   };
   // With x prefetched, the loads' addresses are running pointers advanced by a constant
-  // each chunk (RUNP): recomputed from the parameters at every chunk they cost ~30
-  // instructions of it (the compiler's choice at the register cap). Not where ptxas then
-  // spills: half chunks with f16 scales or in slices.
+  // each chunk (RUNP). Written from the parameters, the compiler recomputed them at every
+  // chunk (~30 of its instructions, at the register cap); this way the int4 loop is 458
+  // instead of 518 instructions per two chunks at M <= 8 and 390 instead of 455 at M = 9..16,
+  // 0.95-0.98x / 0.92-0.95x the time on the H200 (bench/GPU_NOTES.md, run 76). Not where
+  // ptxas then spills: half chunks with f16 scales or in slices.
   constexpr bool RUNP = XPF && !(HALF && (SLICED || std::is_same<S, __half>::value));
   const uint8_t* pw = wbase + warp * (CHUNK * BITS / 8);
   const char* psc = sbase + (static_cast<int64_t>(gidx) << SSHIFT);
