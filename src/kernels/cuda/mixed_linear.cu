@@ -638,15 +638,16 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   };
   // x rows past M read row M - 1 instead (no bound test or zero fill in the loop): they
   // only feed MMA columns m >= M, which are never stored (columns of the MMA do not mix).
+  auto x_row = [&](int mt) { return xg + min(r0 + mt * 8 + g, p.M - 1) * p.x_rs; };
+  auto ldg_x = [](const T* at, uint4 (&xd)[XU]) {
+    const uint4* src = reinterpret_cast<const uint4*>(at);
+#pragma unroll
+    for (int u = 0; u < XU; ++u) xd[u] = __ldg(src + u);
+  };
   auto load_x = [&](int64_t c, uint4 (&xd)[MT][XU]) {
     const int64_t k = c * CHUNK + tig * LK;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int m = min(r0 + mt * 8 + g, p.M - 1);
-      const uint4* src = reinterpret_cast<const uint4*>(xg + m * p.x_rs + k);
-#pragma unroll
-      for (int u = 0; u < XU; ++u) xd[mt][u] = __ldg(src + u);
-    }
+    for (int mt = 0; mt < MT; ++mt) ldg_x(x_row(mt) + k, xd[mt]);
   };
   // With x prefetched, the loads' addresses are running pointers advanced by a constant
   // each chunk (RUNP). Written from the parameters, the compiler recomputed them at every
@@ -661,7 +662,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   if constexpr (RUNP)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      pxr[mt] = xg + min(r0 + mt * 8 + g, p.M - 1) * p.x_rs + warp * CHUNK + tig * LK;
+      pxr[mt] = x_row(mt) + warp * CHUNK + tig * LK;
   // Loads chunk c into st; called for c = warp, warp + KW, ... in this order.
   auto load = [&](int64_t c, Stage& st) {
     const uint8_t* pc = RUNP ? pw : wbase + c * (CHUNK * BITS / 8);
@@ -693,9 +694,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     if constexpr (RUNP) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const uint4* src = reinterpret_cast<const uint4*>(pxr[mt]);
-#pragma unroll
-        for (int u = 0; u < XU; ++u) st.x[mt][u] = __ldg(src + u);
+        ldg_x(pxr[mt], st.x[mt]);
         pxr[mt] += KW * CHUNK;
       }
     } else if constexpr (XPF) {
