@@ -217,6 +217,22 @@ def test_mixed_linear_small_m_int4_chunk_sizes(device, group):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [None, 128, 256, 384, 64], ids=lambda g: f"g{g or 'chan'}")
+def test_mixed_linear_small_m_int4_chunk_pairs(device, group):
+    # The CUDA tensor-core GEMV takes int4 half chunks at M = 9..16 in pairs where one scale
+    # covers a whole chunk (per channel, groups of a multiple of 128): each warp multiplies
+    # both halves of a whole chunk and scales their sum once (tcv_pair). Groups of 1, 2 and 3
+    # whole chunks (the scale counters step over 8 whole chunks a warp: 8, 4 and 2 groups
+    # and 256 k), groups of 64 (half chunks without pairs), K = 128 (one pair: one warp of
+    # the 8 works) and K = 2304 (18 pairs over 8 warps: the last round is partial), M = 9, 16
+    # and 24 (two slices of x), N = 72 (the 8-row tail runs on its own launch).
+    for k in ((128, 2304) if group is None or group <= 128 else (2304,)):
+        q, s = pg.quantize_weight(rand((72, k), torch.float32, device), bits=4, group_size=group)
+        check_m_list(device, q, s, 4, group, (9, 16, 24), activation="silu",
+                     parts={"blocks": slice(0, 64), "tail": slice(64, 72)})
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group,k", [
     (4, None, 9856), (4, 128, 9856), (4, 32, 9856), (8, None, 6336), (8, 64, 6336), (8, 16, 6336),
 ], ids=lambda v: str(v))

@@ -157,6 +157,22 @@ FOUR4_CASES = [
     (8192, 8192, 4, 128, 32, "f16"), (4096, 4096, 4, 128, 48, "bf16"), (4096, 4096, 4, 128, 64, "bf16"),
     (8192, 8192, 4, 128, 16, "bf16"), (11008, 4096, 4, 128, 32, "bf16"), (8192, 8192, 8, 0, 32, "bf16"),
 ]
+# --cases pair: int4 half chunks at M = 9..16 in pairs (run 77), on the shapes of issue 7
+# (with K > 8192 too, where whole chunks run unless PGX_HALF_MAX_K raises the bound), the
+# schemes on their own code paths (per channel, g128, g256 paired; g64 now unpaired, g32
+# folded as before; f16 x), the slices above M = 16, plus controls no change touches
+# (M <= 8, int8).
+PAIR_CASES = [
+    (k, n, 4, g, m, "bf16")
+    for (k, n) in [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 12288), (4096, 22016),
+                   (11008, 4096), (4096, 4096)]
+    for g in (128, 0) for m in (9, 16)
+] + [
+    (8192, 8192, 4, 128, 12, "bf16"), (8192, 8192, 4, 256, 16, "bf16"), (8192, 8192, 4, 64, 16, "bf16"),
+    (8192, 8192, 4, 32, 16, "bf16"), (8192, 8192, 4, 128, 16, "f16"), (28672, 8192, 4, 128, 16, "f16"),
+    (8192, 8192, 4, 128, 24, "bf16"), (8192, 8192, 4, 128, 32, "bf16"), (4096, 4096, 4, 0, 32, "bf16"),
+    (8192, 8192, 4, 128, 1, "bf16"), (8192, 8192, 4, 128, 8, "bf16"), (8192, 8192, 8, 0, 16, "bf16"),
+]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -284,9 +300,9 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4"], default="small",
+    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4", "pair"], default="small",
                    help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32; "
-                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N % 32 != 0; four4: int4 M = 17..64 at K <= 8192")
+                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N % 32 != 0; four4: int4 M = 17..64 at K <= 8192; pair: int4 M = 9..32 (run 77)")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
@@ -302,7 +318,8 @@ def main() -> int:
         return 0
     if args.cmd == "run":
         run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES,
-             "mid2": MID2_CASES, "refused": REFUSED_CASES, "tail": TAIL_CASES, "four4": FOUR4_CASES}[args.cases])
+             "mid2": MID2_CASES, "refused": REFUSED_CASES, "tail": TAIL_CASES, "four4": FOUR4_CASES,
+             "pair": PAIR_CASES}[args.cases])
     else:
         compare(args.out, args.a, args.b)
     return 0

@@ -18,6 +18,7 @@
 //                   16-bit copy would exceed 512 MiB where the sm_90 GEMM does not apply.
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
+#include <cstdlib>
 
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
@@ -419,6 +420,19 @@ constexpr int64_t TCV_HALF_MAX_K = 8192;
 __host__ __device__ constexpr bool tcv_half(int64_t m, int64_t k) {
   return m > 8 && k <= TCV_HALF_MAX_K;
 }
+// PGX TEMPORARY (A/B of run 77): the bound of tcv_half from the environment.
+inline bool tcv_half_rt(int64_t m, int64_t k) {
+  const char* e = std::getenv("PGX_HALF_MAX_K");
+  return m > 8 && k <= (e ? std::atoll(e) : TCV_HALF_MAX_K);
+}
+// Half chunks in pairs (the kernels with OFFSET and HALF): a warp takes both halves of a
+// whole chunk, one after the other (half chunks 2w, 2w + 1, then 2w + 16, ..), and pays the
+// per-chunk work (OFF . x subtracted, the scale applied) once per pair, as whole chunks do,
+// with half chunks' registers. Needs one scale for both halves: per channel, or groups of
+// whole chunks (tcv_pair); other groups take the half-chunk kernel without the offset form.
+__host__ __device__ constexpr bool tcv_pair(int64_t group_size) {
+  return group_size == 0 || group_size % 128 == 0;
+}
 
 // int8 at M = 17..32 (16 < M, the sliced range; more rows in slices of 32) takes one pass
 // with four x tiles (MT = 4) over one 16-row weight tile per warp: each weight is
@@ -454,6 +468,7 @@ struct TcvParams {
   // gs32, gstep and grstep fit 32 bits (gemv_tc_ok bounds the group size and count).
   int64_t q_rs8, s_rs8;
   int gs32, gstep, grstep;
+  bool pair;  // int4 half chunks in pairs (tcv_pair): the offset-form kernel on half chunks
   // The last N % ROWS rows' launch overlaps the whole blocks' (programmatic dependent launch,
   // sm_90): 1 in the whole blocks' launch (let the next launch start), 2 in the last rows'
   // (finish only after the whole blocks have: the stream's order for what follows).
@@ -603,6 +618,9 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   const int r0 = SLICED ? static_cast<int>(blockIdx.x % p.slices) * (8 * MT) : 0;
   const int64_t nchunks = p.K / CHUNK;
   const T* xg = static_cast<const T*>(p.x);
+  // PAIR (see tcv_pair): warp w's first chunk is 2w, and chunks come in pairs 2c, 2c + 1.
+  constexpr bool PAIR = HALF && OFFSET;
+  constexpr int CP = PAIR ? 2 : 1;  // chunks a warp takes in a row
 
   // The lane's weight rows are n0 + g + 8 j (j = 2 rt + h), all < N (whole blocks only):
   // one base address (strides from the parameters) and the scale group of the next chunk
@@ -614,7 +632,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   const char* sbase = static_cast<const char*>(p.scales) + (((n0 + g) * p.s_rs) << SSHIFT);
   int gidx = 0, grem = 0;  // group of k; k - group * gs
   if (p.mode != 0) {
-    const int64_t k0 = static_cast<int64_t>(warp) * CHUNK + tig * LK, g0 = k0 / p.gs;
+    const int64_t k0 = static_cast<int64_t>(warp) * (CP * CHUNK) + tig * LK, g0 = k0 / p.gs;
     gidx = static_cast<int>(g0);
     grem = static_cast<int>(k0 - g0 * p.gs);
   }
@@ -656,17 +674,22 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // 0.95-0.98x / 0.92-0.95x the time on the H200 (bench/GPU_NOTES.md, run 76). Not where
   // ptxas then spills: half chunks with f16 scales or in slices.
   constexpr bool RUNP = XPF && !(HALF && (SLICED || std::is_same<S, __half>::value));
-  const uint8_t* pw = wbase + warp * (CHUNK * BITS / 8);
+  const uint8_t* pw = wbase + warp * (CP * CHUNK * BITS / 8);
   const char* psc = sbase + (static_cast<int64_t>(gidx) << SSHIFT);
   const T* pxr[MT];
   if constexpr (RUNP)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      pxr[mt] = x_row(mt) + warp * CHUNK + tig * LK;
-  // Loads chunk c into st; called for c = warp, warp + KW, ... in this order.
-  auto load = [&](int64_t c, Stage& st) {
+      pxr[mt] = x_row(mt) + warp * (CP * CHUNK) + tig * LK;
+  // Loads chunk c into st; called for c = warp, warp + KW, ... in this order (with PAIR:
+  // 2 warp, 2 warp + 1, 2 warp + 2 KW, ..). ADV: the chunks from c to the next load's (the
+  // running pointers' step); SCL: whether this load reads the scales (with PAIR only the
+  // second of a pair does: both halves share them).
+  auto load = [&](int64_t c, Stage& st, auto adv, auto scl) {
+    constexpr int ADV = decltype(adv)::value;
+    constexpr bool SCL = decltype(scl)::value;
     const uint8_t* pc = RUNP ? pw : wbase + c * (CHUNK * BITS / 8);
-    if constexpr (RUNP) pw += KW * (CHUNK * BITS / 8);
+    if constexpr (RUNP) pw += ADV * (CHUNK * BITS / 8);
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
@@ -675,13 +698,14 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         ldg_stream(st.w[rt][h], pc + j * p.q_rs8);
         const char* sp = (RUNP ? psc : sbase + (gidx << SSHIFT)) + j * p.s_rs8;
         // int4 whole chunks at M > 8 are at the register cap: there the branch form spills less.
-        if constexpr (XPF) {
+        if constexpr (!SCL) {
+        } else if constexpr (XPF) {
           ldg_scale_if<S>(st.s[rt][h], sp, p.mode != 0);
         } else if (p.mode != 0) {
           ldg_scale_if<S>(st.s[rt][h], sp, true);
         }
       }
-    if (p.mode != 0) {
+    if (SCL && p.mode != 0) {
       if constexpr (RUNP) psc += p.gstep << SSHIFT;
       else gidx += p.gstep;
       grem += p.grstep;
@@ -695,13 +719,20 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         ldg_x(pxr[mt], st.x[mt]);
-        pxr[mt] += KW * CHUNK;
+        pxr[mt] += ADV * CHUNK;
       }
     } else if constexpr (XPF) {
       load_x(c, st.x);
     }
   };
-  auto compute = [&](int64_t c, const Stage& st) {
+  // The chunk's partial sums (and OFF . x) before the scale: with PAIR they carry over from
+  // the first chunk of a pair to the second, which subtracts and scales them once.
+  float part[RT][MT][4];
+  float corr[MT][4];
+  // Multiplies chunk c (loaded in st) into part; FIRST: part starts at zero; LAST: part goes
+  // into acc (with its scale, from st).
+  auto compute = [&](int64_t c, const Stage& st, auto first, auto last) {
+    constexpr bool FIRST = decltype(first)::value, LAST = decltype(last)::value;
     uint4 xl[MT][XU];
     if constexpr (!XPF) load_x(c, xl);
     const uint4(*xc)[XU] = XPF ? st.x : xl;
@@ -732,35 +763,36 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     // 31); on whole chunks at MT = 2 that needs more registers than the kernel has, so there
     // it is computed first.
     constexpr bool CORR_IN_LOOP = OFFSET && (MT == 1 || HALF);
-    float corr[MT][4];
     const uint32_t off[4] = {dq4_offset_pair<T>(), dq4_offset_pair<T>(), dq4_offset_pair<T>(),
                              dq4_offset_pair<T>()};
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
+      if constexpr (FIRST)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) corr[mt][r] = 0.f;
+        for (int r = 0; r < 4; ++r) corr[mt][r] = 0.f;
       if constexpr (OFFSET && !CORR_IN_LOOP)
 #pragma unroll
         for (int i = 0; i < NB; ++i) mma_16816<T>(corr[mt], off, bx[i][mt]);
     }
-    // Scales converted here, a chunk after their loads were issued (see ldg_scale_if).
+    // Scales converted here, a chunk after their loads were issued (see ldg_scale_if). With
+    // PAIR, the second chunk of a pair's (both share them).
     float sf[RT][2];
     uint32_t sfold[RT][2];
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        sf[rt][h] = p.mode == 0 ? 1.f : scale_from_bits<S>(st.s[rt][h]);
+        sf[rt][h] = p.mode == 0 || !LAST ? 1.f : scale_from_bits<S>(st.s[rt][h]);
         sfold[rt][h] = fold ? pack2<T>(sf[rt][h], sf[rt][h]) : 0u;
       }
     // k outer, weight tiles inner: the RT accumulation chains of dependent MMAs interleave.
-    float part[RT][MT][4];
+    if constexpr (FIRST)
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
+      for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) part[rt][mt][r] = 0.f;
+          for (int r = 0; r < 4; ++r) part[rt][mt][r] = 0.f;
 #pragma unroll
     for (int j = 0; j < WW; ++j) {
       if constexpr (BITS == 4) {
@@ -814,6 +846,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         }
       }
     }
+    if constexpr (!LAST) return;
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) {
       if constexpr (OFFSET)
@@ -832,31 +865,46 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     }
   };
 
-  int64_t c = warp;
-  if constexpr (BITS == 4) {
+  using kw_t = std::integral_constant<int, KW>;
+  constexpr std::true_type yes{};
+  constexpr std::false_type no{};
+  int64_t c = CP * warp;
+  if constexpr (PAIR) {
+    // Pairs: the first chunk of each in sa, the second in sb (K is a multiple of a whole
+    // chunk, so every pair is complete). The loads stay one chunk ahead of the MMAs.
+    Stage sa, sb;
+    if (c < nchunks) load(c, sa, std::integral_constant<int, 1>{}, no);
+    while (c < nchunks) {
+      load(c + 1, sb, std::integral_constant<int, 2 * KW - 1>{}, yes);
+      compute(c, sa, yes, no);
+      if (c + 2 * KW < nchunks) load(c + 2 * KW, sa, std::integral_constant<int, 1>{}, no);
+      compute(c + 1, sb, no, yes);
+      c += 2 * KW;
+    }
+  } else if constexpr (BITS == 4) {
     // Two stages used in turn (the loop body is written out twice), so that the stage being
     // loaded is never copied into the one being computed: the copy cost ~40 moves per
     // chunk, and int4 runs 8-22% faster without it (bench/GPU_NOTES.md, run 28).
     Stage sa, sb;
-    if (c < nchunks) load(c, sa);
+    if (c < nchunks) load(c, sa, kw_t{}, yes);
     while (c < nchunks) {
-      if (c + KW < nchunks) load(c + KW, sb);
-      compute(c, sa);
+      if (c + KW < nchunks) load(c + KW, sb, kw_t{}, yes);
+      compute(c, sa, yes, yes);
       c += KW;
       if (c >= nchunks) break;
-      if (c + KW < nchunks) load(c + KW, sa);
-      compute(c, sb);
+      if (c + KW < nchunks) load(c + KW, sa, kw_t{}, yes);
+      compute(c, sb, yes, yes);
       c += KW;
     }
   } else {
     // int8 keeps one loop body and copies the next stage: with the two stages in turn its
     // per-channel kernel was 2-7% slower (run 28).
     Stage next;
-    if (c < nchunks) load(c, next);
+    if (c < nchunks) load(c, next, kw_t{}, yes);
     for (; c < nchunks; c += KW) {
       const Stage cur = next;
-      if (c + KW < nchunks) load(c + KW, next);
-      compute(c, cur);
+      if (c + KW < nchunks) load(c + KW, next, kw_t{}, yes);
+      compute(c, cur, yes, yes);
     }
   }
 
@@ -907,9 +955,12 @@ inline void tc_launch(void (*kernel)(TcvParams), unsigned blocks, const TcvParam
 // The two-tile kernels (M > 8): half or whole chunks, offset form or not.
 template <typename T, typename S, int BITS, bool SLICED>
 void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t stream) {
-  if (BITS == 4 && tcv_half(p.M, p.K)) {
-    if (offset) tc_launch(gemv_tc_kernel<T, S, 4, 2, true, true, SLICED>, nb, p, stream);
-    else tc_launch(gemv_tc_kernel<T, S, 4, 2, false, true, SLICED>, nb, p, stream);
+  if (BITS == 4 && tcv_half_rt(p.M, p.K)) {
+    // The offset form on half chunks takes them in pairs, which need one scale a pair.
+    if (offset && p.pair)
+      tc_launch(gemv_tc_kernel<T, S, 4, 2, true, true, SLICED>, nb, p, stream);
+    else
+      tc_launch(gemv_tc_kernel<T, S, 4, 2, false, true, SLICED>, nb, p, stream);
   } else {
     if (offset)
       tc_launch(gemv_tc_kernel<T, S, BITS, 2, BITS == 4, false, SLICED>, nb, p, stream);
@@ -1039,7 +1090,7 @@ bool gemv_tc_ok(const MixedLinearArgs& a) {
 
 template <int BITS>
 Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
-  const int64_t chunk = BITS == 4 && tcv_half(a.x.rows, a.x.cols) ? TcvCfg<BITS, true>::CHUNK
+  const int64_t chunk = BITS == 4 && tcv_half_rt(a.x.rows, a.x.cols) ? TcvCfg<BITS, true>::CHUNK
                                                                   : TcvCfg<BITS>::CHUNK;
   TcvParams p;
   p.x = a.x.data;
@@ -1055,8 +1106,11 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.q_rs8 = 8 * p.q_rs;
   p.s_rs8 = (8 * p.s_rs) << s_shift;
   p.gs32 = static_cast<int>(p.gs);
-  p.gstep = static_cast<int>((tcv::KW * chunk) / p.gs);
-  p.grstep = static_cast<int>(tcv::KW * chunk - p.gstep * p.gs);
+  // The k between two loads of the scales by a warp: KW chunks, or KW pairs (tcv_pair).
+  p.pair = BITS == 4 && chunk != TcvCfg<BITS>::CHUNK && p.mode != 2 && tcv_pair(a.w.group_size);
+  const int64_t step = tcv::KW * (p.pair ? 2 * chunk : chunk);
+  p.gstep = static_cast<int>(step / p.gs);
+  p.grstep = static_cast<int>(step - p.gstep * p.gs);
   p.bias = a.bias;
   p.bias_stride = a.bias_stride;
   p.y = a.y.data;
