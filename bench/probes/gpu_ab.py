@@ -157,11 +157,10 @@ FOUR4_CASES = [
     (8192, 8192, 4, 128, 32, "f16"), (4096, 4096, 4, 128, 48, "bf16"), (4096, 4096, 4, 128, 64, "bf16"),
     (8192, 8192, 4, 128, 16, "bf16"), (11008, 4096, 4, 128, 32, "bf16"), (8192, 8192, 8, 0, 32, "bf16"),
 ]
-# --cases pair: int4 half chunks at M = 9..16 in pairs (run 77), on the shapes of issue 7
-# (with K > 8192 too, where whole chunks run unless PGX_HALF_MAX_K raises the bound), the
-# schemes on their own code paths (per channel, g128, g256 paired; g64 now unpaired, g32
-# folded as before; f16 x), the slices above M = 16, plus controls no change touches
-# (M <= 8, int8).
+# --cases pair: int4 half chunks at M = 9..32 in pairs (run 77), on the shapes of issue 7
+# (K > 8192 too, where whole chunks ran), the schemes on their own code paths (per channel,
+# g128, g256 paired; g64 single half chunks, and whole ones at K > 8192; g32 folded; f16 x
+# with f16 scales), the slices above M = 16, plus controls no change touches (M <= 8, int8).
 PAIR_CASES = [
     (k, n, 4, g, m, "bf16")
     for (k, n) in [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 12288), (4096, 22016),
@@ -172,6 +171,8 @@ PAIR_CASES = [
     (8192, 8192, 4, 32, 16, "bf16"), (8192, 8192, 4, 128, 16, "f16"), (28672, 8192, 4, 128, 16, "f16"),
     (8192, 8192, 4, 128, 24, "bf16"), (8192, 8192, 4, 128, 32, "bf16"), (4096, 4096, 4, 0, 32, "bf16"),
     (8192, 8192, 4, 128, 1, "bf16"), (8192, 8192, 4, 128, 8, "bf16"), (8192, 8192, 8, 0, 16, "bf16"),
+    (11008, 4096, 4, 128, 24, "bf16"), (11008, 4096, 4, 64, 16, "bf16"), (8192, 8192, 4, 128, 17, "bf16"),
+    (8192, 8192, 4, 0, 16, "f16"), (4096, 4096, 8, 0, 32, "bf16"),
 ]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 

@@ -18,7 +18,6 @@
 //                   16-bit copy would exceed 512 MiB where the sm_90 GEMM does not apply.
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
-#include <cstdlib>
 
 #include "cuda/common.cuh"
 #include "cuda/simt_gemm.cuh"
@@ -372,7 +371,8 @@ Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
 // (8 rows of x per n8 tile, MT = 1 or 2 tiles for M <= 8 / <= 16), fp32 accumulate.
 // The 4 lanes of a fragment row (t = lane % 4) each load one 16-byte piece of the row: a
 // chunk is 4 consecutive pieces (CHUNK = 128 k for int4, 64 for int8; int4 at M = 9..16 and
-// K <= 8192 takes half chunks of 8-byte pieces, see tcv_half). Inside a chunk the k
+// per-channel or whole-chunk scales, or K <= 8192, takes half chunks of 8-byte pieces, see
+// tcv_half). Inside a chunk the k
 // order of the MMAs is permuted (the dot product does not care) so that every lane uses
 // only its own piece, and x is loaded in the same permutation (16-byte loads + prmt).
 // Block = 8 warps over the same 16 * RT rows, splitting K (warp w takes chunks w, w + 8, ..);
@@ -412,26 +412,24 @@ struct TcvCfg {
   static constexpr int WW = LK * BITS / 32;   // 32-bit weight words per lane per row
 };
 
-// int4 at M = 9..16 takes half chunks up to K = 8192. Against whole chunks on the H200
-// (bench/GPU_NOTES.md, run 39), at M = 16: 0.85-0.96x the time where K <= 8192 and the grid
-// spans more or less than one wave of blocks, 1.00 at 8192^2, but 1.04-1.16x at K = 11008
-// and 28672, where a warp walks 11-28 whole chunks and pays the per-chunk work twice as often.
-constexpr int64_t TCV_HALF_MAX_K = 8192;
-__host__ __device__ constexpr bool tcv_half(int64_t m, int64_t k) {
-  return m > 8 && k <= TCV_HALF_MAX_K;
-}
-// PGX TEMPORARY (A/B of run 77): the bound of tcv_half from the environment.
-inline bool tcv_half_rt(int64_t m, int64_t k) {
-  const char* e = std::getenv("PGX_HALF_MAX_K");
-  return m > 8 && k <= (e ? std::atoll(e) : TCV_HALF_MAX_K);
-}
-// Half chunks in pairs (the kernels with OFFSET and HALF): a warp takes both halves of a
-// whole chunk, one after the other (half chunks 2w, 2w + 1, then 2w + 16, ..), and pays the
-// per-chunk work (OFF . x subtracted, the scale applied) once per pair, as whole chunks do,
-// with half chunks' registers. Needs one scale for both halves: per channel, or groups of
-// whole chunks (tcv_pair); other groups take the half-chunk kernel without the offset form.
-__host__ __device__ constexpr bool tcv_pair(int64_t group_size) {
+// Half chunks in pairs (p.pair, the kernels with OFFSET, HALF and PAIR_): a warp takes both
+// halves of a whole chunk one after the other (half chunks 2w, 2w + 1, then 2w + 16, ..) and
+// pays the per-chunk work (OFF . x subtracted, the scale applied) once per pair, as whole
+// chunks do, with half chunks' registers. Needs one scale for both halves: per channel, or
+// groups of whole chunks. On the H200 (bench/GPU_NOTES.md, run 77) 0.91-0.96x the time of
+// single half chunks at M = 9..32, where the loop is 320 instead of 390 instructions per two
+// half chunks.
+constexpr bool tcv_pair(int64_t group_size) {
   return group_size == 0 || group_size % 128 == 0;
+}
+// int4 at M > 8 takes half chunks where K <= 8192 or the chunks pair up. Single half chunks
+// against whole chunks on the H200 (run 39), at M = 16: 0.85-0.96x the time where
+// K <= 8192 and the grid spans more or less than one wave of blocks, 1.00 at 8192^2, but
+// 1.04-1.16x at K = 11008 and 28672, where a warp walks 11-28 whole chunks and paid the
+// per-chunk work twice as often; in pairs 0.91-0.98x there too (run 77).
+constexpr int64_t TCV_HALF_MAX_K = 8192;
+constexpr bool tcv_half(int64_t m, int64_t k, int64_t group_size) {
+  return m > 8 && (k <= TCV_HALF_MAX_K || tcv_pair(group_size));
 }
 
 // int8 at M = 17..32 (16 < M, the sliced range; more rows in slices of 32) takes one pass
@@ -468,7 +466,8 @@ struct TcvParams {
   // gs32, gstep and grstep fit 32 bits (gemv_tc_ok bounds the group size and count).
   int64_t q_rs8, s_rs8;
   int gs32, gstep, grstep;
-  bool pair;  // int4 half chunks in pairs (tcv_pair): the offset-form kernel on half chunks
+  bool half;  // int4 half chunks (tcv_half)
+  bool pair;  // half chunks in pairs (tcv_pair; the offset form's kernels take them so)
   // The last N % ROWS rows' launch overlaps the whole blocks' (programmatic dependent launch,
   // sm_90): 1 in the whole blocks' launch (let the next launch start), 2 in the last rows'
   // (finish only after the whole blocks have: the stream's order for what follows).
@@ -601,8 +600,9 @@ __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
 // Preconditions (gemv_tc_ok, launch_gemv_tc): p.N % ROWS == 0, K % CHUNK == 0, S the
 // scales' element type.
 // RT_: 16-row weight tiles per warp (a block's rows are 16 RT_).
+// PAIR_: half chunks in pairs (p.pair; with OFFSET and HALF only).
 template <typename T, typename S, int BITS, int MT, bool OFFSET, bool HALF, bool SLICED = false,
-          int RT_ = tcv::RT>
+          int RT_ = tcv::RT, bool PAIR_ = false>
 __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   using Cfg = TcvCfg<BITS, HALF>;
   constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU, WW = Cfg::WW;
@@ -619,7 +619,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   const int64_t nchunks = p.K / CHUNK;
   const T* xg = static_cast<const T*>(p.x);
   // PAIR (see tcv_pair): warp w's first chunk is 2w, and chunks come in pairs 2c, 2c + 1.
-  constexpr bool PAIR = HALF && OFFSET;
+  constexpr bool PAIR = PAIR_ && HALF && OFFSET;
   constexpr int CP = PAIR ? 2 : 1;  // chunks a warp takes in a row
 
   // The lane's weight rows are n0 + g + 8 j (j = 2 rt + h), all < N (whole blocks only):
@@ -672,8 +672,8 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // chunk (~30 of its instructions, at the register cap); this way the int4 loop is 458
   // instead of 518 instructions per two chunks at M <= 8 and 390 instead of 455 at M = 9..16,
   // 0.95-0.98x / 0.92-0.95x the time on the H200 (bench/GPU_NOTES.md, run 76). Not where
-  // ptxas then spills: half chunks with f16 scales or in slices.
-  constexpr bool RUNP = XPF && !(HALF && (SLICED || std::is_same<S, __half>::value));
+  // ptxas then spills: single half chunks with f16 scales or in slices (pairs do not).
+  constexpr bool RUNP = XPF && (PAIR || !(HALF && (SLICED || std::is_same<S, __half>::value)));
   const uint8_t* pw = wbase + warp * (CP * CHUNK * BITS / 8);
   const char* psc = sbase + (static_cast<int64_t>(gidx) << SSHIFT);
   const T* pxr[MT];
@@ -681,9 +681,9 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
       pxr[mt] = x_row(mt) + warp * (CP * CHUNK) + tig * LK;
-  // Loads chunk c into st; called for c = warp, warp + KW, ... in this order (with PAIR:
+  // Loads chunk c into st; called for c = warp, warp + KW, ... in this order (in pairs:
   // 2 warp, 2 warp + 1, 2 warp + 2 KW, ..). ADV: the chunks from c to the next load's (the
-  // running pointers' step); SCL: whether this load reads the scales (with PAIR only the
+  // running pointers' step); SCL: whether this load reads the scales (in pairs only the
   // second of a pair does: both halves share them).
   auto load = [&](int64_t c, Stage& st, auto adv, auto scl) {
     constexpr int ADV = decltype(adv)::value;
@@ -725,7 +725,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
       load_x(c, st.x);
     }
   };
-  // The chunk's partial sums (and OFF . x) before the scale: with PAIR they carry over from
+  // The chunk's partial sums (and OFF . x) before the scale: in pairs they carry over from
   // the first chunk of a pair to the second, which subtracts and scales them once.
   float part[RT][MT][4];
   float corr[MT][4];
@@ -774,8 +774,8 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
 #pragma unroll
         for (int i = 0; i < NB; ++i) mma_16816<T>(corr[mt], off, bx[i][mt]);
     }
-    // Scales converted here, a chunk after their loads were issued (see ldg_scale_if). With
-    // PAIR, the second chunk of a pair's (both share them).
+    // Scales converted here, a chunk after their loads were issued (see ldg_scale_if). In
+    // pairs, the second chunk of a pair's (both share them).
     float sf[RT][2];
     uint32_t sfold[RT][2];
 #pragma unroll
@@ -955,9 +955,10 @@ inline void tc_launch(void (*kernel)(TcvParams), unsigned blocks, const TcvParam
 // The two-tile kernels (M > 8): half or whole chunks, offset form or not.
 template <typename T, typename S, int BITS, bool SLICED>
 void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t stream) {
-  if (BITS == 4 && tcv_half_rt(p.M, p.K)) {
-    // The offset form on half chunks takes them in pairs, which need one scale a pair.
+  if (p.half) {
     if (offset && p.pair)
+      tc_launch(gemv_tc_kernel<T, S, 4, 2, true, true, SLICED, tcv::RT, true>, nb, p, stream);
+    else if (offset)
       tc_launch(gemv_tc_kernel<T, S, 4, 2, true, true, SLICED>, nb, p, stream);
     else
       tc_launch(gemv_tc_kernel<T, S, 4, 2, false, true, SLICED>, nb, p, stream);
@@ -1090,9 +1091,9 @@ bool gemv_tc_ok(const MixedLinearArgs& a) {
 
 template <int BITS>
 Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
-  const int64_t chunk = BITS == 4 && tcv_half_rt(a.x.rows, a.x.cols) ? TcvCfg<BITS, true>::CHUNK
-                                                                  : TcvCfg<BITS>::CHUNK;
   TcvParams p;
+  p.half = BITS == 4 && tcv_half(a.x.rows, a.x.cols, a.w.group_size);
+  const int64_t chunk = p.half ? TcvCfg<BITS, true>::CHUNK : TcvCfg<BITS>::CHUNK;
   p.x = a.x.data;
   p.x_rs = a.x.row_stride;
   p.q = static_cast<const uint8_t*>(a.w.data);
@@ -1107,7 +1108,7 @@ Status gemv_tc_dispatch(const MixedLinearArgs& a, cudaStream_t stream) {
   p.s_rs8 = (8 * p.s_rs) << s_shift;
   p.gs32 = static_cast<int>(p.gs);
   // The k between two loads of the scales by a warp: KW chunks, or KW pairs (tcv_pair).
-  p.pair = BITS == 4 && chunk != TcvCfg<BITS>::CHUNK && p.mode != 2 && tcv_pair(a.w.group_size);
+  p.pair = p.half && tcv_pair(a.w.group_size);
   const int64_t step = tcv::KW * (p.pair ? 2 * chunk : chunk);
   p.gstep = static_cast<int>(step / p.gs);
   p.grstep = static_cast<int>(step - p.gstep * p.gs);
