@@ -370,11 +370,11 @@ Status gemv_dispatch(const GemvParams& p, cudaStream_t stream) {
 // rows per tile, dequantised in registers straight into the A fragment), x^T the B operand
 // (8 rows of x per n8 tile, MT = 1 or 2 tiles for M <= 8 / <= 16), fp32 accumulate.
 // The 4 lanes of a fragment row (t = lane % 4) each load one 16-byte piece of the row: a
-// chunk is 4 consecutive pieces (CHUNK = 128 k for int4, 64 for int8; int4 at M = 9..16 and
-// per-channel or whole-chunk scales, or K <= 8192, takes half chunks of 8-byte pieces, see
-// tcv_half). Inside a chunk the k
-// order of the MMAs is permuted (the dot product does not care) so that every lane uses
-// only its own piece, and x is loaded in the same permutation (16-byte loads + prmt).
+// chunk is 4 consecutive pieces (CHUNK = 128 k for int4, 64 for int8; int4 at M > 8 takes
+// half chunks of 8-byte pieces where K <= 8192 or they pair up, see tcv_half and tcv_pair).
+// Inside a chunk the k order of the MMAs is permuted (the dot product does not care) so that
+// every lane uses only its own piece, and x is loaded in the same permutation (16-byte loads
+// + prmt).
 // Block = 8 warps over the same 16 * RT rows, splitting K (warp w takes chunks w, w + 8, ..);
 // the 8 partial results are summed through shared memory. M > 16 runs in slices of 16 rows
 // of x, one block per (32 weight rows, slice), the slices of a row block next to each other
@@ -416,9 +416,9 @@ struct TcvCfg {
 // halves of a whole chunk one after the other (half chunks 2w, 2w + 1, then 2w + 16, ..) and
 // pays the per-chunk work (OFF . x subtracted, the scale applied) once per pair, as whole
 // chunks do, with half chunks' registers. Needs one scale for both halves: per channel, or
-// groups of whole chunks. On the H200 (bench/GPU_NOTES.md, run 77) 0.91-0.96x the time of
-// single half chunks at M = 9..32, where the loop is 320 instead of 390 instructions per two
-// half chunks.
+// groups of whole chunks. The loop is 320 instead of 390 instructions per two half chunks
+// (sm_90a); on the H200 (bench/GPU_NOTES.md, run 77) 0.90-0.96x the time of single half
+// chunks at M = 9..16 and 0.84-0.88x at M = 17..32.
 constexpr bool tcv_pair(int64_t group_size) {
   return group_size == 0 || group_size % 128 == 0;
 }
@@ -426,7 +426,7 @@ constexpr bool tcv_pair(int64_t group_size) {
 // against whole chunks on the H200 (run 39), at M = 16: 0.85-0.96x the time where
 // K <= 8192 and the grid spans more or less than one wave of blocks, 1.00 at 8192^2, but
 // 1.04-1.16x at K = 11008 and 28672, where a warp walks 11-28 whole chunks and paid the
-// per-chunk work twice as often; in pairs 0.91-0.98x there too (run 77).
+// per-chunk work twice as often; in pairs 0.92-1.01x the whole chunks' time there (run 77).
 constexpr int64_t TCV_HALF_MAX_K = 8192;
 constexpr bool tcv_half(int64_t m, int64_t k, int64_t group_size) {
   return m > 8 && (k <= TCV_HALF_MAX_K || tcv_pair(group_size));
@@ -698,11 +698,9 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         ldg_stream(st.w[rt][h], pc + j * p.q_rs8);
         const char* sp = (RUNP ? psc : sbase + (gidx << SSHIFT)) + j * p.s_rs8;
         // int4 whole chunks at M > 8 are at the register cap: there the branch form spills less.
-        if constexpr (!SCL) {
-        } else if constexpr (XPF) {
-          ldg_scale_if<S>(st.s[rt][h], sp, p.mode != 0);
-        } else if (p.mode != 0) {
-          ldg_scale_if<S>(st.s[rt][h], sp, true);
+        if constexpr (SCL) {
+          if constexpr (XPF) ldg_scale_if<S>(st.s[rt][h], sp, p.mode != 0);
+          else if (p.mode != 0) ldg_scale_if<S>(st.s[rt][h], sp, true);
         }
       }
     if (SCL && p.mode != 0) {
@@ -952,7 +950,8 @@ inline void tc_launch(void (*kernel)(TcvParams), unsigned blocks, const TcvParam
   kernel<<<blocks, tcv::THREADS, 0, stream>>>(p);
 }
 
-// The two-tile kernels (M > 8): half or whole chunks, offset form or not.
+// The two-tile kernels (M > 8): whole chunks, half chunks or half chunks in pairs, offset
+// form or not.
 template <typename T, typename S, int BITS, bool SLICED>
 void launch_gemv_tc2(const TcvParams& p, bool offset, unsigned nb, cudaStream_t stream) {
   if (p.half) {
