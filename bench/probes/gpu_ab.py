@@ -174,6 +174,15 @@ PAIR_CASES = [
     (11008, 4096, 4, 128, 24, "bf16"), (11008, 4096, 4, 64, 16, "bf16"), (8192, 8192, 4, 128, 17, "bf16"),
     (8192, 8192, 4, 0, 16, "f16"), (4096, 4096, 8, 0, 32, "bf16"),
 ]
+# --cases route4: int4 at M = 17..32 on the weights of 48 MiB and more, where the sm_90 GEMM
+# takes them (run 55's rule), after run 77 made the GEMV's slices faster; run it with and
+# without PORTABLE_GEMM_DISABLE_SM90=1 (then the GEMV takes them). M = 48 and 64 at 8192^2
+# (32 MiB, the GEMM from 16 MiB, run 57) and (4096, 22016) at M = 24 (43 MiB: the GEMV in
+# both) as controls.
+ROUTE4_CASES = [
+    (k, n, 4, g, m, "bf16") for (k, n) in [(28672, 8192), (8192, 28672)] for g in (128, 0)
+    for m in (17, 24, 32)
+] + [(8192, 8192, 4, 128, 48, "bf16"), (8192, 8192, 4, 128, 64, "bf16"), (4096, 22016, 4, 128, 24, "bf16")]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -301,9 +310,9 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4", "pair"], default="small",
+    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4", "pair", "route4"], default="small",
                    help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32; "
-                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N % 32 != 0; four4: int4 M = 17..64 at K <= 8192; pair: int4 M = 9..32 (run 77)")
+                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N %% 32 != 0; four4: int4 M = 17..64 at K <= 8192; pair: int4 M = 9..32 (run 77); route4: int4 M = 17..32 from 48 MiB")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
@@ -320,7 +329,7 @@ def main() -> int:
     if args.cmd == "run":
         run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES,
              "mid2": MID2_CASES, "refused": REFUSED_CASES, "tail": TAIL_CASES, "four4": FOUR4_CASES,
-             "pair": PAIR_CASES}[args.cases])
+             "pair": PAIR_CASES, "route4": ROUTE4_CASES}[args.cases])
     else:
         compare(args.out, args.a, args.b)
     return 0
