@@ -209,8 +209,9 @@ def test_mixed_linear_small_m_scale_dtypes(device, sdtype, bits, group):
 def test_mixed_linear_small_m_int4_chunk_sizes(device, group):
     # The CUDA tensor-core GEMV takes int4 at M = 9..16 in half chunks (8-byte pieces, x
     # prefetched a chunk ahead; groups of 64 then scale each chunk's sum) up to K = 8192, and
-    # in whole chunks above (bench/GPU_NOTES.md, run 39): K on both sides of that bound, at
-    # M = 8 (the one-tile kernel), 9 and 16, with a bias.
+    # above that in whole chunks (bench/GPU_NOTES.md, run 39) unless the half chunks pair up
+    # (per channel, g128: run 77): K on both sides of that bound, at M = 8 (the one-tile
+    # kernel), 9 and 16, with a bias.
     for k in (8192, 8320):
         q, s = pg.quantize_weight(rand((64, k), torch.float32, device), bits=4, group_size=group)
         check_m_list(device, q, s, 4, group, (8, 9, 16))
@@ -238,8 +239,8 @@ def test_mixed_linear_small_m_int4_chunk_pairs(device, group):
 ], ids=lambda v: str(v))
 def test_mixed_linear_small_m_long_k(device, bits, group, k):
     # Long rows on the small-M paths: the CUDA tensor-core GEMV's 8 warps split K in chunks
-    # (128 k of int4, 64 of int8), so at K = 9856 (77 int4 chunks, whole chunks at M > 8
-    # since K > 8192) and K = 6336 (99 int8 chunks) every warp walks 9-13 chunks, through
+    # (128 k of int4, 64 of int8), so at K = 9856 (77 int4 chunks; at M > 8 whole chunks for
+    # g32 since K > 8192, half chunks in pairs for g128 and per channel) and K = 6336 (99 int8 chunks) every warp walks 9-13 chunks, through
     # both of its register stages several times, and the last round of chunks is partial.
     # N = 96: three blocks of 32 rows. Groups that scale each chunk's sum (int4 g128, int8
     # g64, per channel) and groups folded into the weights (int4 g32, int8 g16); M on both
