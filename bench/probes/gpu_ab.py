@@ -183,6 +183,24 @@ ROUTE4_CASES = [
     (k, n, 4, g, m, "bf16") for (k, n) in [(28672, 8192), (8192, 28672)] for g in (128, 0)
     for m in (17, 24, 32)
 ] + [(8192, 8192, 4, 128, 48, "bf16"), (8192, 8192, 4, 128, 64, "bf16"), (4096, 22016, 4, 128, 24, "bf16")]
+# --cases peel: the default list plus the kernels above M = 16 (int4 slices in pairs, int8 with
+# four x tiles) and M <= 8 with f16 x, for run 79 (the last chunk of each GEMV loop peeled out).
+PEEL_CASES = CASES + [
+    (8192, 8192, 4, 128, 24, "bf16"), (8192, 8192, 4, 128, 32, "bf16"), (8192, 8192, 4, 0, 32, "bf16"),
+    (8192, 8192, 8, 0, 24, "bf16"), (8192, 8192, 8, 128, 32, "bf16"), (4096, 22016, 4, 128, 24, "bf16"),
+    (8192, 8192, 4, 128, 1, "f16"), (8192, 8192, 8, 0, 1, "f16"), (8192, 8192, 4, 0, 8, "bf16"),
+    (4096, 12288, 8, 0, 1, "bf16"), (4096, 12288, 4, 128, 1, "bf16"),
+]
+# --cases route5: int4 at M = 17..32 on weights of 32-112 MiB, run with and without
+# PORTABLE_GEMM_DISABLE_SM90=1 to refit run 55's 48 MiB rule for the GEMV after runs 77 and 79
+# (run 78 found g128 faster on the GEMV at 112 MiB, per channel even to M = 24).
+ROUTE5_CASES = [
+    (k, n, 4, g, m, "bf16")
+    for (k, n) in [(28672, 8192), (8192, 28672), (16384, 8192), (8192, 16384), (4096, 28672), (28672, 4096)]
+    for g in (128, 0)
+    for m in (17, 24, 32)
+] + [(12288, 8192, 4, 128, 24, "bf16"), (8192, 8192, 4, 128, 24, "bf16"), (28672, 8192, 4, 128, 24, "f16"),
+     (28672, 8192, 4, 64, 24, "bf16"), (8192, 8192, 8, 0, 24, "bf16")]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -310,9 +328,10 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4", "pair", "route4"], default="small",
+    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4", "pair", "route4", "peel", "route5"], default="small",
                    help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32; "
-                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N %% 32 != 0; four4: int4 M = 17..64 at K <= 8192; pair: int4 M = 9..32 (run 77); route4: int4 M = 17..32 from 48 MiB")
+                        "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N %% 32 != 0; four4: int4 M = 17..64 at K <= 8192; pair: int4 M = 9..32 (run 77); route4: int4 M = 17..32 from 48 MiB; "
+                        "peel: small plus M = 24/32 and f16 x (run 79); route5: int4 M = 17..32 at 32-112 MiB (run 79)")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
@@ -329,7 +348,7 @@ def main() -> int:
     if args.cmd == "run":
         run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES,
              "mid2": MID2_CASES, "refused": REFUSED_CASES, "tail": TAIL_CASES, "four4": FOUR4_CASES,
-             "pair": PAIR_CASES, "route4": ROUTE4_CASES}[args.cases])
+             "pair": PAIR_CASES, "route4": ROUTE4_CASES, "peel": PEEL_CASES, "route5": ROUTE5_CASES}[args.cases])
     else:
         compare(args.out, args.a, args.b)
     return 0

@@ -866,43 +866,72 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   using kw_t = std::integral_constant<int, KW>;
   constexpr std::true_type yes{};
   constexpr std::false_type no{};
+  // Each loop runs while the next load exists; the last chunk (or round) is peeled out
+  // after it, so the loop body holds no test around its loads. That takes 10-30 of its
+  // instructions (the branch, the pointer copies it needed) from the pair, int8 and one-tile
+  // int4 loops (sm_90a; bench/GPU_NOTES.md, run 79). The two-tile int4 loops without pairs
+  // keep the test: peeled, ptxas spills 80-300 bytes there.
   int64_t c = CP * warp;
   if constexpr (PAIR) {
     // Pairs: the first chunk of each in sa, the second in sb (K is a multiple of a whole
     // chunk, so every pair is complete). The loads stay one chunk ahead of the MMAs.
     Stage sa, sb;
-    if (c < nchunks) load(c, sa, std::integral_constant<int, 1>{}, no);
-    while (c < nchunks) {
+    if (c < nchunks) {
+      load(c, sa, std::integral_constant<int, 1>{}, no);
+      for (; c + 2 * KW < nchunks; c += 2 * KW) {
+        load(c + 1, sb, std::integral_constant<int, 2 * KW - 1>{}, yes);
+        compute(c, sa, yes, no);
+        load(c + 2 * KW, sa, std::integral_constant<int, 1>{}, no);
+        compute(c + 1, sb, no, yes);
+      }
       load(c + 1, sb, std::integral_constant<int, 2 * KW - 1>{}, yes);
       compute(c, sa, yes, no);
-      if (c + 2 * KW < nchunks) load(c + 2 * KW, sa, std::integral_constant<int, 1>{}, no);
       compute(c + 1, sb, no, yes);
-      c += 2 * KW;
     }
   } else if constexpr (BITS == 4) {
     // Two stages used in turn (the loop body is written out twice), so that the stage being
     // loaded is never copied into the one being computed: the copy cost ~40 moves per
     // chunk, and int4 runs 8-22% faster without it (bench/GPU_NOTES.md, run 28).
     Stage sa, sb;
-    if (c < nchunks) load(c, sa, kw_t{}, yes);
-    while (c < nchunks) {
-      if (c + KW < nchunks) load(c + KW, sb, kw_t{}, yes);
-      compute(c, sa, yes, yes);
-      c += KW;
-      if (c >= nchunks) break;
-      if (c + KW < nchunks) load(c + KW, sa, kw_t{}, yes);
-      compute(c, sb, yes, yes);
-      c += KW;
+    if constexpr (MT > 1) {
+      if (c < nchunks) load(c, sa, kw_t{}, yes);
+      while (c < nchunks) {
+        if (c + KW < nchunks) load(c + KW, sb, kw_t{}, yes);
+        compute(c, sa, yes, yes);
+        c += KW;
+        if (c >= nchunks) break;
+        if (c + KW < nchunks) load(c + KW, sa, kw_t{}, yes);
+        compute(c, sb, yes, yes);
+        c += KW;
+      }
+    } else if (c < nchunks) {
+      load(c, sa, kw_t{}, yes);
+      for (; c + 2 * KW < nchunks; c += 2 * KW) {
+        load(c + KW, sb, kw_t{}, yes);
+        compute(c, sa, yes, yes);
+        load(c + 2 * KW, sa, kw_t{}, yes);
+        compute(c + KW, sb, yes, yes);
+      }
+      if (c + KW < nchunks) {
+        load(c + KW, sb, kw_t{}, yes);
+        compute(c, sa, yes, yes);
+        compute(c + KW, sb, yes, yes);
+      } else {
+        compute(c, sa, yes, yes);
+      }
     }
   } else {
     // int8 keeps one loop body and copies the next stage: with the two stages in turn its
     // per-channel kernel was 2-7% slower (run 28).
     Stage next;
-    if (c < nchunks) load(c, next, kw_t{}, yes);
-    for (; c < nchunks; c += KW) {
-      const Stage cur = next;
-      if (c + KW < nchunks) load(c + KW, next, kw_t{}, yes);
-      compute(c, cur, yes, yes);
+    if (c < nchunks) {
+      load(c, next, kw_t{}, yes);
+      for (; c + KW < nchunks; c += KW) {
+        const Stage cur = next;
+        load(c + KW, next, kw_t{}, yes);
+        compute(c, cur, yes, yes);
+      }
+      compute(c, next, yes, yes);
     }
   }
 
