@@ -212,9 +212,10 @@ def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k, dtype):
 
 
 # Which kernel takes a weight-only call on sm_90, where two could (bench/GPU_NOTES.md, runs
-# 55 and 57; cuda::sm90_gemm_outruns_gemv): at M = 17..32 the small-M GEMV unless the
-# quantised weight has 48 MiB or more, where the sm_90 GEMM was measured faster; at M =
-# 33..64 the GEMV up to 16 MiB; M <= 16 always the GEMV. Without the sm_90 GEMM the GEMV
+# 55, 57 and 79; cuda::sm90_gemm_outruns_gemv): at M = 17..32 the small-M GEMV unless the
+# quantised weight has 48 MiB or more, where the sm_90 GEMM was measured faster, and always
+# for int4 with groups of a multiple of 128 (the GEMV's chunk pairs); at M = 33..64 the GEMV
+# up to 16 MiB; M <= 16 always the GEMV. Without the sm_90 GEMM the GEMV
 # takes M <= 64 at any size (the test after this one). 4096 x 12288 int8 is 48 MiB
 # exactly, 8 rows fewer is under; 4096 x 4096 int8 is 16 MiB exactly, 8 rows more is over.
 # The 32776 x 8192 weight's 16-bit copy would exceed the binding's 512 MiB limit for
@@ -224,7 +225,8 @@ def test_mixed_linear_tile_schedulers(bits, group, m, n, k, stream_k, dtype):
 ROUTE_CASES = [
     (24, 4096, 12288, 8, None, True), (24, 4096, 12280, 8, None, False),
     (17, 4096, 12288, 8, 128, True), (32, 11008, 4096, 8, None, False),
-    (32, 8192, 8192, 4, 128, False), (24, 16384, 8192, 4, 128, True),
+    (32, 8192, 8192, 4, 128, False), (24, 16384, 8192, 4, 128, False),
+    (24, 16384, 8192, 4, None, True), (24, 16384, 8192, 4, 64, True),
     (16, 16384, 8192, 4, 128, False), (64, 8192, 32776, 4, 128, True),
     (100, 8192, 32776, 4, 128, True),
     (48, 4096, 4096, 4, 128, False), (64, 4096, 4096, 8, None, False),

@@ -195,14 +195,20 @@ PG_API bool mixed_linear_sm90_preferred(const MixedLinearArgs& args);
 // The size rule behind it, measured on the H200 (bench/GPU_NOTES.md): the GEMM has a fixed
 // cost of ~10-17 us a call and then streams the weight faster than the GEMV, which reads it
 // once per slice of x's rows (int4: 16 rows a slice, int8: 32). quantised_bytes is the
-// weight as stored (N * K * bits / 8, scales not counted).
+// weight as stored (N * K * bits / 8, scales not counted); bits and group_size (0 = per
+// channel) as in QuantizedWeight.
 //   M = 17..32: from 48 MiB on (runs 55a-b; 1.003x the faster path's summed time over 97
-//     cases of 24 shapes);
+//     cases of 24 shapes), except int4 with groups of a multiple of 128, which the GEMV
+//     takes in chunk pairs (run 77) at every size: run 79 timed it at 0.76-0.99x the GEMM's
+//     time on 16 of 18 cases of 6 shapes of 48-112 MiB (1.02-1.05x on the other two);
+//     per channel, where the GEMM needs no scale transpose, stayed even (0.83-1.13x);
 //   M = 33..64: above 16 MiB (run 57; 1.001x on the 63 cases it was chosen on, 1.040x on 47
 //     others, where the GEMM everywhere took 1.094x).
-inline bool sm90_gemm_outruns_gemv(int64_t rows, int64_t quantised_bytes) {
+inline bool sm90_gemm_outruns_gemv(int64_t rows, int64_t quantised_bytes, int32_t bits, int64_t group_size) {
   if (rows <= 16 || rows > 64) return false;
-  return rows <= 32 ? quantised_bytes >= (int64_t(48) << 20) : quantised_bytes > (int64_t(16) << 20);
+  if (rows > 32) return quantised_bytes > (int64_t(16) << 20);
+  if (bits == 4 && group_size > 0 && group_size % 128 == 0) return false;
+  return quantised_bytes >= (int64_t(48) << 20);
 }
 // The path mixed_linear's arguments take, on the current device, for a caller that can
 // lend scratch memory (the torch binding; mixed_linear_pooled):

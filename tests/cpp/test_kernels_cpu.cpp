@@ -324,22 +324,31 @@ void test_cuda_small_m_rule() {
 }
 
 void test_sm90_size_rule() {
-  // Where the sm_90 GEMM outruns the small-M GEMV (kernels.h; runs 55 and 57 on the H200):
-  // M = 17..32 from 48 MiB of quantised weight, M = 33..64 above 16 MiB, never at M <= 16
-  // or M > 64 (the GEMV does not take those rows, or takes them alone).
+  // Where the sm_90 GEMM outruns the small-M GEMV (kernels.h; runs 55, 57 and 79 on the
+  // H200): M = 17..32 from 48 MiB of quantised weight (int4 with groups of a multiple of 128
+  // never), M = 33..64 above 16 MiB, never at M <= 16 or M > 64 (the GEMV does not take
+  // those rows, or takes them alone).
   constexpr int64_t MiB = int64_t(1) << 20;
   struct Case {
     int64_t rows, bytes;
+    int32_t bits;
+    int64_t group;
     bool gemm;
   };
   const Case cases[] = {
-      {16, 1024 * MiB, false}, {17, 48 * MiB - 1, false}, {17, 48 * MiB, true},  {32, 48 * MiB, true},
-      {32, 47 * MiB, false},   {33, 16 * MiB, false},     {33, 16 * MiB + 1, true}, {64, 16 * MiB, false},
-      {64, 16 * MiB + 1, true}, {65, 1024 * MiB, false},  {48, INT64_MAX, true},  {24, 0, false},
+      {16, 1024 * MiB, 8, 0, false},       {17, 48 * MiB - 1, 8, 0, false},  {17, 48 * MiB, 8, 0, true},
+      {32, 48 * MiB, 8, 128, true},        {32, 47 * MiB, 8, 0, false},      {33, 16 * MiB, 8, 0, false},
+      {33, 16 * MiB + 1, 8, 0, true},      {64, 16 * MiB, 4, 128, false},    {64, 16 * MiB + 1, 4, 128, true},
+      {65, 1024 * MiB, 8, 0, false},       {48, INT64_MAX, 4, 128, true},    {24, 0, 8, 0, false},
+      // int4 at M = 17..32: per channel and groups of 64 by size, groups of 128k never
+      {24, 48 * MiB, 4, 0, true},          {24, 48 * MiB, 4, 64, true},      {24, 47 * MiB, 4, 64, false},
+      {17, 1024 * MiB, 4, 128, false},     {32, 1024 * MiB, 4, 256, false},  {32, 1024 * MiB, 4, 192, true},
+      {33, 1024 * MiB, 4, 128, true},
   };
   for (const Case& c : cases)
-    CHECK(cuda::sm90_gemm_outruns_gemv(c.rows, c.bytes) == c.gemm, "sm90_gemm_outruns_gemv(%lld, %lld) should be %d",
-          (long long)c.rows, (long long)c.bytes, c.gemm);
+    CHECK(cuda::sm90_gemm_outruns_gemv(c.rows, c.bytes, c.bits, c.group) == c.gemm,
+          "sm90_gemm_outruns_gemv(%lld, %lld, int%d, g%lld) should be %d", (long long)c.rows, (long long)c.bytes,
+          c.bits, (long long)c.group, c.gemm);
 }
 
 // The path a caller that lends scratch memory takes (cuda::mixed_linear_path: the torch
@@ -364,6 +373,8 @@ void test_cuda_path_rule() {
       {16, 8192, 8192, 4, 128, DType::bf16, K_, K_},  // the small-M kernels
       {48, 4096, 4096, 4, 128, DType::bf16, K_, K_},  // the GEMV (8 MiB: the sm_90 size rule says no)
       {48, 11008, 4096, 4, 128, DType::bf16, K_, S},  // 21.5 MiB: the size rule says yes
+      {24, 28672, 8192, 4, 128, DType::bf16, K_, K_},  // 112 MiB, int4 g128 at M = 17..32: the GEMV
+      {24, 28672, 8192, 4, 0, DType::bf16, K_, S},    // the same per channel: the sm_90 GEMM
       {100, 8192, 8192, 4, 128, DType::f32, K_, K_},  // f32 x: the exact SIMT GEMM
       {100, 0, 8192, 8, 0, DType::bf16, K_, K_},      // K = 0
       {100, 8192, 8192, 4, 128, DType::bf16, D, S},

@@ -151,7 +151,8 @@ bool mixed_linear_sm90_preferred(const MixedLinearArgs& args) {
   // streams the weight faster than the GEMV, which dequantises every weight once per slice
   // of x's rows: the size rule in sm90_gemm_outruns_gemv (kernels.h).
   if (!mixed_linear_small_m(args)) return false;
-  if (!sm90_gemm_outruns_gemv(args.x.rows, detail::quantised_bytes(args.w))) return false;
+  if (!sm90_gemm_outruns_gemv(args.x.rows, detail::quantised_bytes(args.w), args.w.bits, args.w.group_size))
+    return false;
   return mixed_linear_sm90_workspace(args) >= 0;
 }
 
