@@ -24,7 +24,7 @@ GPU_JSON, CPU_JSON = RESULTS / "gpu_bench_final.json", RESULTS / "cpu_bench_zen5
 BUCKETS = [
     (1, 8, "tensor-core GEMV, 1 x tile", "nibble block / tile path"),
     (9, 16, "the same, 2 x tiles", "tile path"),
-    (17, 32, "GEMV (int4: 2 slices of 16 rows, int8: 4 x tiles); from 48 MiB of weight, CUTLASS 64-wide", "tile path"),
+    (17, 32, "GEMV (int4: 2 slices of 16 rows, int8: 4 x tiles); from 48 MiB of weight (not int4 g128), CUTLASS 64-wide", "tile path"),
     (33, 64, "GEMV up to 16 MiB of weight (int4: slices of 16 rows, int8: 4 x tiles in slices of 32); "
      "above, CUTLASS 64-wide", "GEMM (int4) / tile path (int8)"),
     (65, 128, "CUTLASS mixed-input, 128-wide", "vdpbf16ps GEMM"),

@@ -13,8 +13,9 @@
 //                   fly. Callers that lend scratch memory (the torch binding; the DLPack
 //                   door through mixed_linear_pooled) send these to the sm_90 CUTLASS GEMM
 //                   or to dequantize_rows + a dense GEMM instead (mixed_linear_path), and
-//                   on sm_90 also M = 17..32 from 48 MiB of weight and M = 33..64 above
-//                   16 MiB (mixed_linear_sm90_preferred); this one keeps weights whose
+//                   on sm_90 also M = 17..32 from 48 MiB of weight (not int4 with groups
+//                   of a multiple of 128) and M = 33..64 above 16 MiB
+//                   (mixed_linear_sm90_preferred); this one keeps weights whose
 //                   16-bit copy would exceed 512 MiB where the sm_90 GEMM does not apply.
 //   M > 16, f32 x:  the exact-fp32 SIMT GEMM of simt_gemm.cuh, B tiles dequantised.
 #include <algorithm>
