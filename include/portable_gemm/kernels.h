@@ -200,7 +200,7 @@ PG_API bool mixed_linear_sm90_preferred(const MixedLinearArgs& args);
 //   M = 17..32: from 48 MiB on (runs 55a-b; 1.003x the faster path's summed time over 97
 //     cases of 24 shapes), except int4 with groups of a multiple of 128, which the GEMV
 //     takes in chunk pairs (run 77) at every size: run 79 timed it at 0.76-0.99x the GEMM's
-//     time on 16 of 18 cases of 6 shapes of 48-112 MiB (1.02-1.05x on the other two);
+//     time on 16 of 18 cases of 6 shapes of 56-112 MiB (1.02-1.05x on the other two);
 //     per channel, where the GEMM needs no scale transpose, stayed even (0.83-1.13x);
 //   M = 33..64: above 16 MiB (run 57; 1.001x on the 63 cases it was chosen on, 1.040x on 47
 //     others, where the GEMM everywhere took 1.094x).
