@@ -92,8 +92,9 @@ def event_time_us(fn, iters: int, reps: int = 7, warm_s: float = WARMUP_S) -> tu
     return statistics.median(times), max(times) - min(times)
 
 
-def graph_time_us(fn, iters: int, reps: int = 7) -> float:
-    """Per-call time of `iters` calls captured in one CUDA graph and replayed."""
+def capture_graph(fn, iters: int) -> "torch.cuda.CUDAGraph":
+    """fn(0) .. fn(iters - 1) captured in one CUDA graph (after 3 warm-up calls on a side
+    stream, as capture needs)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -104,6 +105,12 @@ def graph_time_us(fn, iters: int, reps: int = 7) -> float:
     with torch.cuda.graph(g):
         for i in range(iters):
             fn(i)
+    return g
+
+
+def graph_time_us(fn, iters: int, reps: int = 7) -> float:
+    """Per-call time of `iters` calls captured in one CUDA graph and replayed."""
+    g = capture_graph(fn, iters)
     warm_up(lambda i: g.replay())
     times = []
     for _ in range(reps):

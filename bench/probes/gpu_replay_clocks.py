@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_ab import case_inputs  # noqa: E402
+from gpu_bench import capture_graph  # noqa: E402
 
 import portable_gemm as pg  # noqa: E402
 
@@ -55,16 +56,7 @@ def main() -> None:
             b.synchronize()
             return a.elapsed_time(b) * 1e3 / 50
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(3):
-                call(i)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(20):
-                call(i)
+        graph = capture_graph(call, 20)
 
         def replay():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
