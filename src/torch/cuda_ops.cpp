@@ -38,11 +38,11 @@ struct CudaBackend {
     torch::stable::accelerator::DeviceGuard guard(device);
     int64_t bytes = 0;
     const cuda::MixedLinearPath path = cuda::mixed_linear_path(a, &bytes);
-    if (path == cuda::MixedLinearPath::kernels) {
-      launch(a, x, cuda::mixed_linear);
+    void* stream = compat::current_cuda_stream(device);
+    if (path == cuda::MixedLinearPath::kernels) {  // under the guard above: no second one
+      PG_CUDA_CHECK(cuda::mixed_linear(a, stream).code);
       return;
     }
-    void* stream = compat::current_cuda_stream(device);
     if (path == cuda::MixedLinearPath::sm90) {
       if (bytes == 0) {  // per-channel scales read as stored, no stream-K: no workspace
         PG_CUDA_CHECK(cuda::mixed_linear_sm90(a, nullptr, stream).code);
