@@ -18,12 +18,10 @@ inline torch::stable::Tensor new_output(const torch::stable::Tensor& like,
                                         const std::vector<int64_t>& sizes,
                                         torch::headeronly::ScalarType dtype) {
   const int64_t nd = static_cast<int64_t>(sizes.size());
-  int64_t strides[8];
-  std::vector<int64_t> more;  // more than 8 dims: rare
-  int64_t* st = nd <= 8 ? strides : (more.resize(nd), more.data());
+  std::vector<int64_t> strides(sizes.size());  // contiguous, as torch sets them
   int64_t step = 1;
   for (int64_t d = nd - 1; d >= 0; --d) {
-    st[d] = step;
+    strides[d] = step;
     step *= sizes[d] > 1 ? sizes[d] : 1;
   }
   int32_t device_type = 0;
@@ -31,7 +29,7 @@ inline torch::stable::Tensor new_output(const torch::stable::Tensor& like,
   // the shim's dtype code, as the stable API converts it
   const int32_t code = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
   AtenTensorHandle out = nullptr;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(nd, sizes.data(), st, code, device_type,
+  TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(nd, sizes.data(), strides.data(), code, device_type,
                                                   like.get_device_index(), &out));
   return torch::stable::Tensor(out);
 }
