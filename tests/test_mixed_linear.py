@@ -250,6 +250,34 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [None, 64, 16], ids=lambda g: f"g{g or 'chan'}")
+def test_mixed_linear_small_m_int8_every_value_exact(device, group):
+    # Every int8 value through the small-M paths, one k at a time: row m of x is one-hot at
+    # k_m, so y[m, n] is the single product q[n, k_m] * s (scales of 6 significant bits), exact
+    # before the output's one rounding, in every x dtype. The CUDA GEMV turns int8 into bf16
+    # with integer ops and pairs k with k + 2 (x permuted to match, dq8_bf16_split): k_m walks
+    # every residue mod 4 and every word of a lane's 16-byte piece, so a weight paired with
+    # the wrong x shows. Groups of 64 scale each chunk's sum there, groups of 16 are folded
+    # into the weight; M = 1, 8 (one x tile), 9 and 16 (two).
+    n, k = 64, 512
+    q = ((torch.arange(n)[:, None] * 37 + torch.arange(k)[None, :] * 11) % 256 - 128).to(torch.int8)
+    g = group or k
+    gen = torch.Generator().manual_seed(7)
+    s = torch.randint(1, 64, (n, k // g), generator=gen).float() / 32
+    s = s if group else s[:, 0]
+    for dtype in X_DTYPES[device]:
+        for m in (1, 8, 9, 16):
+            km = torch.arange(m) * 33 % k
+            x = torch.zeros(m, k, dtype=dtype)
+            x[torch.arange(m), km] = 1
+            want = q[:, km].T.double() * (s[:, km // g].T if group else s[None, :]).double()
+            got = pg.mixed_linear(x.to(device), q.to(device), s.to(device), bits=8, group_size=group)
+            assert torch.equal(got.cpu(), want.to(dtype)), f"{dtype} M={m}"
+    # the rows of the largest M pick out every int8 value
+    assert q[:, torch.arange(16) * 33 % k].unique().numel() == 256
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group,k", [
     (4, 128, 2048), (4, None, 2048), (4, 32, 2048), (4, None, 8320), (4, 32, 8320),
     (8, None, 2048), (8, 16, 1024), (8, 64, 2048),

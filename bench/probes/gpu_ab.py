@@ -201,6 +201,18 @@ ROUTE5_CASES = [
     for m in (17, 24, 32)
 ] + [(12288, 8192, 4, 128, 24, "bf16"), (8192, 8192, 4, 128, 24, "bf16"), (28672, 8192, 4, 128, 24, "f16"),
      (28672, 8192, 4, 64, 24, "bf16"), (8192, 8192, 8, 0, 24, "bf16")]
+# --cases int8: int8 with bf16 x at M <= 16 (run 81: the weights as bf16 through integer ops,
+# pairs (k, k + 2)), both schemes on the two shapes of the goal rows, per channel at M = 16 on
+# the other shapes, and controls: f16 x, group 32 (folded scales), M = 24 / 32 (four x tiles), int4.
+INT8_CASES = [
+    (k, n, 8, g, m, "bf16") for (k, n) in [(8192, 8192), (28672, 8192)] for g in (0, 128) for m in (1, 8, 9, 12, 16)
+] + [
+    (k, n, 8, 0, 16, "bf16") for (k, n) in [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (8192, 28672)]
+] + [
+    (8192, 8192, 8, 0, 16, "f16"), (8192, 8192, 8, 0, 1, "f16"), (8192, 8192, 8, 32, 16, "bf16"),
+    (8192, 8192, 8, 0, 24, "bf16"), (8192, 8192, 8, 128, 32, "bf16"),
+    (8192, 8192, 4, 128, 1, "bf16"), (8192, 8192, 4, 128, 16, "bf16"),
+]
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -328,7 +340,7 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4", "pair", "route4", "peel", "route5"], default="small",
+    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4", "pair", "route4", "peel", "route5", "int8"], default="small",
                    help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32; "
                         "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N %% 32 != 0; four4: int4 M = 17..64 at K <= 8192; pair: int4 M = 9..32 (run 77); route4: int4 M = 17..32 from 48 MiB; "
                         "peel: small plus M = 24/32 and f16 x (run 79); route5: int4 M = 17..32 at 32-112 MiB (run 79)")
@@ -348,7 +360,7 @@ def main() -> int:
     if args.cmd == "run":
         run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES,
              "mid2": MID2_CASES, "refused": REFUSED_CASES, "tail": TAIL_CASES, "four4": FOUR4_CASES,
-             "pair": PAIR_CASES, "route4": ROUTE4_CASES, "peel": PEEL_CASES, "route5": ROUTE5_CASES}[args.cases])
+             "pair": PAIR_CASES, "route4": ROUTE4_CASES, "peel": PEEL_CASES, "route5": ROUTE5_CASES, "int8": INT8_CASES}[args.cases])
     else:
         compare(args.out, args.a, args.b)
     return 0

@@ -586,6 +586,21 @@ __device__ __forceinline__ uint32_t dq4(uint32_t w, int i) {
   return sub2<T>(dq4_offset<T>(w, i), dq4_offset_pair<T>());
 }
 
+// Bytes h and h + 2 of w (signed int8) as two exact bf16 values, in four integer-pipe
+// instructions and one add (dq8's bf16 form takes two prmt, two FADD and a conversion per
+// pair): with u = q & 127, 0x4300 | u is 128 + u, and the sign bit of q picks -128
+// (0xC300) or -256 (0xC380), so the sum is q (exact: both terms and q are bf16 values).
+// The pair is (k, k + 2), not (k, k + 1): x goes into the MMA in the same order (see
+// SPLIT8 in gemv_tc_kernel).
+__device__ __forceinline__ uint32_t dq8_bf16_split(uint32_t w, int h) {
+  const uint32_t v = h ? w >> 8 : w;
+  const uint32_t lo = and_xor(v, 0x007F007Fu, 0x43004300u);  // 128 + (q & 127)
+  const uint32_t hi = and_xor(v, 0x00800080u, 0xC300C300u);  // -128, or -256 where q < 0
+  __nv_bfloat162 r = __hadd2(*reinterpret_cast<const __nv_bfloat162*>(&lo),
+                             *reinterpret_cast<const __nv_bfloat162*>(&hi));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
 // Bytes 2h and 2h + 1 of w (signed int8) as two exact 16-bit values.
 template <typename T>
 __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
@@ -608,6 +623,10 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   using Cfg = TcvCfg<BITS, HALF>;
   constexpr int LK = Cfg::LK, CHUNK = Cfg::CHUNK, XU = Cfg::XU, WW = Cfg::WW;
   constexpr int RT = RT_, KW = tcv::KW, NACC = RT * MT * 4;
+  // int8 with bf16 x: weights through dq8_bf16_split, x permuted to match (two prmt per
+  // pair of x words). Not with four x tiles: there the x permutes cost what the weights
+  // save.
+  constexpr bool SPLIT8 = BITS == 8 && std::is_same<T, __nv_bfloat16>::value && MT <= 2;
   __shared__ float red[KW][NACC][32];
   if (p.pdl == 1) grid_launch_dependents();
 
@@ -737,7 +756,8 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
     const uint4(*xc)[XU] = XPF ? st.x : xl;
     const bool fold = p.mode == 2;
     // x as B fragments, once per chunk for all RT weight tiles: [j][t][mt] for int4
-    // (prmt into the permuted k order), [j][mt] for int8 (the words as they are).
+    // (prmt into the permuted k order), [j][mt] for int8 (the words as they are, or with
+    // SPLIT8 in dq8_bf16_split's pair order).
     constexpr int NB = BITS == 4 ? 2 * WW : WW;
     uint32_t bx[NB][MT][2];
 #pragma unroll
@@ -751,6 +771,11 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
             bx[2 * j + t][mt][0] = __byte_perm(lo, hi, 0x5410u);
             bx[2 * j + t][mt][1] = __byte_perm(lo, hi, 0x7632u);
           }
+        } else if constexpr (SPLIT8) {  // pairs (k, k + 2) and (k + 1, k + 3)
+          const uint32_t lo = word_of(xc[mt][j / 2], 2 * (j % 2));
+          const uint32_t hi = word_of(xc[mt][j / 2], 2 * (j % 2) + 1);
+          bx[j][mt][0] = __byte_perm(lo, hi, 0x5410u);
+          bx[j][mt][1] = __byte_perm(lo, hi, 0x7632u);
         } else {
           bx[j][mt][0] = word_of(xc[mt][j / 2], 2 * (j % 2));
           bx[j][mt][1] = word_of(xc[mt][j / 2], 2 * (j % 2) + 1);
@@ -830,10 +855,17 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         for (int rt = 0; rt < RT; ++rt) {
           const uint32_t w0 = st.w[rt][0][j], w1 = st.w[rt][1][j];
           uint32_t a[4];
-          a[0] = dq8<T>(w0, 0);
-          a[1] = dq8<T>(w1, 0);
-          a[2] = dq8<T>(w0, 1);
-          a[3] = dq8<T>(w1, 1);
+          if constexpr (SPLIT8) {
+            a[0] = dq8_bf16_split(w0, 0);
+            a[1] = dq8_bf16_split(w1, 0);
+            a[2] = dq8_bf16_split(w0, 1);
+            a[3] = dq8_bf16_split(w1, 1);
+          } else {
+            a[0] = dq8<T>(w0, 0);
+            a[1] = dq8<T>(w1, 0);
+            a[2] = dq8<T>(w0, 1);
+            a[3] = dq8<T>(w1, 1);
+          }
           if (fold) {
             a[0] = mul2<T>(a[0], sfold[rt][0]);
             a[2] = mul2<T>(a[2], sfold[rt][0]);
