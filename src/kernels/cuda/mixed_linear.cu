@@ -586,8 +586,8 @@ __device__ __forceinline__ uint32_t dq4(uint32_t w, int i) {
   return sub2<T>(dq4_offset<T>(w, i), dq4_offset_pair<T>());
 }
 
-// Bytes h and h + 2 of w (signed int8) as two exact bf16 values, in four integer-pipe
-// instructions and one add (dq8's bf16 form takes two prmt, two FADD and a conversion per
+// Bytes h and h + 2 of w (signed int8) as two exact bf16 values, in two LOP3 (and a shift
+// for h = 1) and one add (dq8's bf16 form takes two prmt, two FADD and a conversion per
 // pair): with u = q & 127, 0x4300 | u is 128 + u, and the sign bit of q picks -128
 // (0xC300) or -256 (0xC380), so the sum is q (exact: both terms and q are bf16 values).
 // The pair is (k, k + 2), not (k, k + 1): x goes into the MMA in the same order (see
