@@ -601,6 +601,13 @@ __device__ __forceinline__ uint32_t dq8_bf16_split(uint32_t w, int h) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+// Two words of 16-bit pairs (a0, a1) and (b0, b1) as (a0, b0) and (a1, b1): x's B fragment
+// in the k order of a weight decoder that pairs k with k + 2 (int4 and dq8_bf16_split).
+__device__ __forceinline__ void halves_paired(uint32_t lo, uint32_t hi, uint32_t (&out)[2]) {
+  out[0] = __byte_perm(lo, hi, 0x5410u);
+  out[1] = __byte_perm(lo, hi, 0x7632u);
+}
+
 // Bytes 2h and 2h + 1 of w (signed int8) as two exact 16-bit values.
 template <typename T>
 __device__ __forceinline__ uint32_t dq8(uint32_t w, int h) {
@@ -767,15 +774,11 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         if constexpr (BITS == 4) {
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
-            const uint32_t lo = word_of(xc[mt][j], t), hi = word_of(xc[mt][j], t + 2);
-            bx[2 * j + t][mt][0] = __byte_perm(lo, hi, 0x5410u);
-            bx[2 * j + t][mt][1] = __byte_perm(lo, hi, 0x7632u);
+            halves_paired(word_of(xc[mt][j], t), word_of(xc[mt][j], t + 2), bx[2 * j + t][mt]);
           }
         } else if constexpr (SPLIT8) {  // pairs (k, k + 2) and (k + 1, k + 3)
-          const uint32_t lo = word_of(xc[mt][j / 2], 2 * (j % 2));
-          const uint32_t hi = word_of(xc[mt][j / 2], 2 * (j % 2) + 1);
-          bx[j][mt][0] = __byte_perm(lo, hi, 0x5410u);
-          bx[j][mt][1] = __byte_perm(lo, hi, 0x7632u);
+          halves_paired(word_of(xc[mt][j / 2], 2 * (j % 2)), word_of(xc[mt][j / 2], 2 * (j % 2) + 1),
+                        bx[j][mt]);
         } else {
           bx[j][mt][0] = word_of(xc[mt][j / 2], 2 * (j % 2));
           bx[j][mt][1] = word_of(xc[mt][j / 2], 2 * (j % 2) + 1);
