@@ -176,6 +176,78 @@ PG_TARGET_AVX2 void convert_f16_contig_avx2(const uint16_t* s, int64_t n, float*
   for (; i < n; ++i) d[i] = f16_to_f32(s[i]);
 }
 
+// 8 consecutive elements as fp32.
+PG_TARGET_AVX2 inline __m256 load8_avx2(const void* p, DType t) {
+  switch (t) {
+    case DType::f16:
+      return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+    case DType::bf16:
+      return _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))), 16));
+    default:
+      return _mm256_loadu_ps(static_cast<const float*>(p));
+  }
+}
+
+// pack_rows_transposed on AVX2, 8 rows at a time: 8 k of each row loaded, an 8 x 8
+// transpose in registers, each k's `lanes` values stored 8 wide (see `overlap`) or masked.
+// The generic form copies a row into a buffer and stores each element on its own: packing
+// A took 4.7 % of the samples of an fp32 1024^3 gemm loop on 2 threads of an AVX2 EPYC,
+// 2.2 % with this (bench/CPU_NOTES.md, 46). The k past the last whole 8 go one at a time.
+// Rows of the panel are stored in increasing k, which the spilling stores rely on.
+PG_TARGET_AVX2 void pack_rows_transposed_avx2(const void* const* rows, int nrows, DType t,
+                                              int64_t kc, float* dst, int64_t ld, int lanes) {
+  const int64_t es = int64_t(dtype_size(t));
+  const int64_t kv = kc / 8 * 8;
+  for (int h = 0; h < lanes; h += 8) {
+    const int w = std::min(8, lanes - h);  // lanes of this half
+    // One half that fills its rows (ld == lanes < 8, A's slivers): each k is stored 8
+    // wide, its spill overwritten by the next k's store (masked stores are slow on AMD).
+    const bool overlap = lanes < 8 && ld == lanes;
+    const int n = std::max(0, std::min(w, nrows - h));  // rows of it with data
+    const __m256i store_mask =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const char* src[8];
+    for (int r = 0; r < 8; ++r) src[r] = r < n ? static_cast<const char*>(rows[h + r]) : nullptr;
+    float* d0 = dst + h;
+    for (int64_t k0 = 0; k0 < kv; k0 += 8) {
+      __m256 v[8];
+      PG_UNROLL for (int r = 0; r < 8; ++r)
+        v[r] = src[r] ? load8_avx2(src[r] + k0 * es, t) : _mm256_setzero_ps();
+      const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      const __m256 o[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                           _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                           _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                           _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      float* d = d0 + k0 * ld;
+      PG_UNROLL for (int i = 0; i < 8; ++i) {
+        if (w == 8 || (overlap && k0 + i + 1 < kc)) {
+          _mm256_storeu_ps(d + i * ld, o[i]);
+        } else if (overlap) {  // the last k: nothing after it to write over the spill
+          alignas(32) float last[8];
+          _mm256_store_ps(last, o[i]);
+          std::memcpy(d + i * ld, last, size_t(w) * sizeof(float));
+        } else {
+          _mm256_maskstore_ps(d + i * ld, store_mask, o[i]);
+        }
+      }
+    }
+    for (int64_t k = kv; k < kc; ++k)
+      for (int r = 0; r < w; ++r) {
+        float v = 0.f;
+        if (r < n) convert_to_f32(src[r] + k * es, 1, t, 1, &v);
+        d0[k * ld + r] = v;
+      }
+  }
+}
+
 // 16 consecutive elements (lanes outside m read as 0, without touching memory).
 PG_TARGET_AVX512 inline __m512 load16_avx512(const void* p, DType t, __mmask16 m) {
   switch (t) {
@@ -819,6 +891,15 @@ void pack_a(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int64_t kc
   }
 }
 
+// One row of B (fp32, contiguous) into the slivers of a panel: NR floats to each, the
+// slivers kc * NR apart. A fixed size lets the compiler copy with vector moves; with nr
+// known only at run time, each 64-byte piece was a call to memmove, 8.6 % of the samples of
+// an fp32 1024^3 gemm loop on 2 threads of an AVX2 EPYC (bench/CPU_NOTES.md, 46).
+template <int NR>
+inline void copy_slivers(const float* src, int64_t full, int64_t kc, float* dst) {
+  for (int64_t j = 0; j < full; j += NR) std::memcpy(dst + j * kc, src + j, NR * sizeof(float));
+}
+
 // PackB for a dense strided B.
 void pack_b_dense(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc, int nr,
                   float* dst) {
@@ -834,8 +915,12 @@ void pack_b_dense(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t n
       const char* src = base + ((k0 + k) * b.row_stride + n0 * b.col_stride) * es;
       if (b.dtype == DType::f32 && b.col_stride == 1) {
         const float* sf = reinterpret_cast<const float*>(src);
-        for (int64_t j = 0; j < full; j += nr)
-          std::memcpy(dst + (j * kc + k * nr), sf + j, size_t(nr) * sizeof(float));
+        float* dk = dst + k * nr;
+        if (nr == 16) copy_slivers<16>(sf, full, kc, dk);
+        else if (nr == 32) copy_slivers<32>(sf, full, kc, dk);
+        else
+          for (int64_t j = 0; j < full; j += nr)
+            std::memcpy(dk + j * kc, sf + j, size_t(nr) * sizeof(float));
       } else {
         for (int64_t j = 0; j < full; j += nr)
           convert_to_f32(src + j * b.col_stride * es, b.col_stride, b.dtype, nr,
@@ -991,6 +1076,10 @@ void pack_rows_transposed(const void* const* rows, int nrows, DType t, int64_t k
 #if PG_X86
   if (active_isa() == Isa::avx512) {
     pack_rows_transposed_avx512(rows, nrows, t, kc, dst, ld, lanes);
+    return;
+  }
+  if (active_isa() == Isa::avx2) {
+    pack_rows_transposed_avx2(rows, nrows, t, kc, dst, ld, lanes);
     return;
   }
 #endif
