@@ -191,10 +191,11 @@ PG_TARGET_AVX2 inline __m256 load8_avx2(const void* p, DType t) {
 
 // pack_rows_transposed on AVX2, 8 rows at a time: 8 k of each row loaded, an 8 x 8
 // transpose in registers, each k's `lanes` values stored 8 wide (see `overlap`) or masked.
-// The generic form copies a row into a buffer and stores each element on its own: packing
-// A took 4.7 % of the samples of an fp32 1024^3 gemm loop on 2 threads of an AVX2 EPYC,
-// 2.2 % with this (bench/CPU_NOTES.md, 46). The k past the last whole 8 go one at a time.
-// Rows of the panel are stored in increasing k, which the spilling stores rely on.
+// The generic form copies a row into a buffer (memmove) and stores each element on its
+// own; with this and copy_slivers, packing went from ~13 % to ~6 % of the samples of an
+// fp32 1024^3 gemm loop on 2 threads of an AVX2 EPYC (bench/CPU_NOTES.md, 46). The k past
+// the last whole 8 go one at a time. Rows of the panel are stored in increasing k, which
+// the spilling stores rely on.
 PG_TARGET_AVX2 void pack_rows_transposed_avx2(const void* const* rows, int nrows, DType t,
                                               int64_t kc, float* dst, int64_t ld, int lanes) {
   const int64_t es = int64_t(dtype_size(t));
@@ -893,8 +894,8 @@ void pack_a(const ConstMatrix& a, int64_t i0, int64_t mc, int64_t k0, int64_t kc
 
 // One row of B (fp32, contiguous) into the slivers of a panel: NR floats to each, the
 // slivers kc * NR apart. A fixed size lets the compiler copy with vector moves; with nr
-// known only at run time, each 64-byte piece was a call to memmove, 8.6 % of the samples of
-// an fp32 1024^3 gemm loop on 2 threads of an AVX2 EPYC (bench/CPU_NOTES.md, 46).
+// known only at run time, each 64-byte piece was a call to memmove (see
+// pack_rows_transposed_avx2 for what the two changes bought).
 template <int NR>
 inline void copy_slivers(const float* src, int64_t full, int64_t kc, float* dst) {
   for (int64_t j = 0; j < full; j += NR) std::memcpy(dst + j * kc, src + j, NR * sizeof(float));
