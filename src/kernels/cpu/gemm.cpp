@@ -200,11 +200,11 @@ PG_TARGET_AVX2 void pack_rows_transposed_avx2(const void* const* rows, int nrows
                                               int64_t kc, float* dst, int64_t ld, int lanes) {
   const int64_t es = int64_t(dtype_size(t));
   const int64_t kv = kc / 8 * 8;
+  // One half that fills its rows (ld == lanes < 8, A's slivers): each k is stored 8 wide,
+  // its spill overwritten by the next k's store (masked stores are slow on AMD).
+  const bool overlap = lanes < 8 && ld == lanes;
   for (int h = 0; h < lanes; h += 8) {
     const int w = std::min(8, lanes - h);  // lanes of this half
-    // One half that fills its rows (ld == lanes < 8, A's slivers): each k is stored 8
-    // wide, its spill overwritten by the next k's store (masked stores are slow on AMD).
-    const bool overlap = lanes < 8 && ld == lanes;
     const int n = std::max(0, std::min(w, nrows - h));  // rows of it with data
     const __m256i store_mask =
         _mm256_cmpgt_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
