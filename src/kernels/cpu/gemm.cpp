@@ -168,14 +168,6 @@ float* scratch(int slot, size_t floats) {
 namespace {
 
 #if PG_X86
-PG_TARGET_AVX2 void convert_f16_contig_avx2(const uint16_t* s, int64_t n, float* d) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(
-        d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-  for (; i < n; ++i) d[i] = f16_to_f32(s[i]);
-}
-
 // 8 consecutive elements as fp32.
 PG_TARGET_AVX2 inline __m256 load8_avx2(const void* p, DType t) {
   switch (t) {
@@ -187,6 +179,12 @@ PG_TARGET_AVX2 inline __m256 load8_avx2(const void* p, DType t) {
     default:
       return _mm256_loadu_ps(static_cast<const float*>(p));
   }
+}
+
+PG_TARGET_AVX2 void convert_f16_contig_avx2(const uint16_t* s, int64_t n, float* d) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, load8_avx2(s + i, DType::f16));
+  for (; i < n; ++i) d[i] = f16_to_f32(s[i]);
 }
 
 // pack_rows_transposed on AVX2, 8 rows at a time: 8 k of each row loaded, an 8 x 8
