@@ -249,6 +249,29 @@ def test_mixed_linear_small_m_long_k(device, bits, group, k):
     check_m_list(device, q, s, bits, group, (1, 5, 8, 9, 16))
 
 
+@pytest.mark.parametrize("group", [None, 64, 128, 256, 512], ids=lambda g: f"g{g or 'chan'}")
+def test_mixed_linear_int4_one_row_offset_form(group):
+    # int4 at M = 1 with a bf16 or f16 output on AVX2-only CPUs runs small_block_avx2_i4: x
+    # permuted per 64 k, every weight as the fp32 1.0625 + q / 128, and the offset taken off
+    # by per-segment sums of x (the groups, or 256 k per channel). On other CPUs the same
+    # cases check the blocks they run. K: one 64-k step; per channel a tail past the last
+    # whole 64 (100, 2340) and several segments; x random, with a large common offset (the
+    # offset sums cancel most of each partial sum), with |x| near 2^99 (still this path) and
+    # near 2^101 (the fallback, where those sums could overflow); f32 x (the other blocks).
+    ks = {None: (64, 100, 2340), 64: (64, 2304), 128: (128, 2304), 256: (2304,), 512: (2560,)}[group]
+    for k in ks:
+        q, s = pg.quantize_weight(rand((70, k), torch.float32), bits=4, group_size=group)
+        wd = dequant_ref(q, s, 4, group)
+        cases = [(torch.bfloat16, 1.0, 0.0), (torch.float16, 1.0, 0.0), (torch.float16, 1.0, 50.0),
+                 (torch.bfloat16, 2.0 ** 99, 0.0), (torch.bfloat16, 2.0 ** 101, 0.0), (torch.float32, 1.0, 3.0)]
+        for dtype, scale, offset in cases:
+            x = (torch.randn(1, k) * scale + offset).to(dtype)
+            out = pg.mixed_linear(x, q, s, bits=4, group_size=group)
+            ref = x.double() @ wd.T
+            assert torch.isfinite(out).all(), f"K={k} {dtype} scale {scale} offset {offset}"
+            assert_close(out, ref, dtype, TOL[dtype], label=f"K={k} {dtype} scale {scale} offset {offset}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("group", [None, 64, 16], ids=lambda g: f"g{g or 'chan'}")
 def test_mixed_linear_small_m_int8_every_value_exact(device, group):

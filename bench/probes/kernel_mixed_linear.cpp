@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "mixed_args.h"
 #include "portable_gemm/kernels.h"
 
 using namespace portable_gemm;
@@ -49,18 +50,7 @@ int main(int argc, char** argv) {
   for (auto& v : s) v = to_bf16((byte(rng) + 1) / 2e4f);
   for (auto& v : x) v = to_bf16((byte(rng) - 127.5f) / 64.f);
   auto call = [&](int c) {
-    MixedLinearArgs a;
-    a.x = {x.data(), M, K, K, 1, DType::bf16};
-    a.w.data = w[c].data();
-    a.w.n = N;
-    a.w.k = K;
-    a.w.row_stride = row;
-    a.w.bits = bits;
-    a.w.group_size = gs;
-    a.w.scales = s.data();
-    a.w.scales_row_stride = gs ? ng : 1;
-    a.w.scales_dtype = DType::bf16;
-    a.y = {y.data(), M, N, N, 1, DType::bf16};
+    const MixedLinearArgs a = mixed_args(x.data(), M, K, w[c].data(), N, row, bits, gs, s.data(), y.data());
     const Status st = cpu::mixed_linear(a, builtin_executor());
     if (!st.ok()) {
       std::fprintf(stderr, "mixed_linear: %s\n", st.message);

@@ -17,9 +17,10 @@
 //    and from kAmxMinM to kAmxMaxM amx_linear) each weight row is streamed once per chunk of
 //    up to 8 rows of x (later chunks hit L1), dequantised in registers and FMA'd against
 //    every row of the chunk (small_block_avx512; on AVX2-only CPUs small_block_avx2, up to
-//    4 rows). Group scales are applied per group, so no horizontal reductions happen
-//    inside K. Group sizes that are not a multiple of the blocks' k step take a plain loop
-//    (small_rows_rowwise: a weight row dequantised into L1, then a dot per row of x).
+//    4 rows, and for int4 at M = 1 small_block_avx2_i4). Group scales are applied per
+//    group, so no horizontal reductions happen inside K. Group sizes that are not a
+//    multiple of the blocks' k step take a plain loop (small_rows_rowwise: a weight row
+//    dequantised into L1, then a dot per row of x).
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
@@ -377,6 +378,10 @@ struct SmallJob {
   int64_t ldxn = 0;
   const float* seed = nullptr;
   int64_t nseed = 0;
+  // int4 at M = 1 on AVX2 (small_block_avx2_i4): x permuted per 64 k, and seed holds per
+  // row of x and segment of seg k (a group; per channel 256 k) the 8-lane offset
+  // correction that starts each segment's partial sums. 0: not this path.
+  int64_t seg = 0;
   mutable std::atomic<bool> failed{false};
 };
 
@@ -609,10 +614,14 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
       // rather than 512 bytes ahead in the same row (small_block_avx512): each row is a
       // short stream, and at the end of a block the hardware prefetchers start the next
       // block's rows cold. On the AVX2 EPYC of bench/CPU_NOTES.md 32, M = 1 read its
-      // weights 1.10-1.21x faster (median of 8 alternating rounds, 31 of 32 won).
+      // weights 1.10-1.21x faster (median of 8 alternating rounds, 31 of 32 won). int8
+      // fetches into L2 only: on the AVX2 Zen 4 VM of bench/CPU_NOTES.md 47 that took 0.92-
+      // 0.93x the time of fetching into L1 (one process, alternating rounds), where int4,
+      // bound by its own instructions, was 1.03x slower with it.
       if (MB == 1 && (byte & 63) == 0)
         PG_UNROLL for (int r = 0; r < NB; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + byte + NB * w.row_stride, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + byte + NB * w.row_stride,
+                       INT4 ? _MM_HINT_T0 : _MM_HINT_T1);
       __m256 lo[NB], hi[NB];
       PG_UNROLL for (int r = 0; r < NB; ++r) {
         const __m256i v = _mm256_cvtepi8_epi32(
@@ -653,6 +662,91 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
     PG_UNROLL for (int m = 0; m < MB; ++m)
       out[r * MB + m] = hsum_avx2(acc[r][m]) * (CHAN ? scale_at(w, rows[r], 0) : 1.f);
   f.template add_tail<MB>(rows, INT4, out);
+}
+
+// int4 at one row of x on AVX2 (job.seg > 0: M = 1, groups of a multiple of 64 or per
+// channel), 64 k per step from one 32-byte load per weight row, with no integer to
+// float conversion. t = the low nibble of every byte, u = the high one (a shift and two
+// ANDs); per 8 weights one vpshufb moves byte b of every dword of t or u to bits 16-23 of
+// that dword, and an XOR with 0x3F88 << 16 makes it the fp32 1 + (nibble ^ 8) / 128 =
+// 1.0625 + q / 128, exactly (two's complement: nibble ^ 8 = q + 8). Dword l of the load
+// holds k = 8l .. 8l + 7, so x is permuted per 64 k (x'[8 j + l] = x[8 l + j]), and byte b
+// of t (u) pairs with x' at 16 b (16 b + 8). The sums are of (1.0625 + q / 128) x; each
+// segment's partial sums start from -1.0625 times the sum of x over their lane and segment
+// (job.seed), so they end as q x / 128 and go into the accumulators times 128 s.
+// Per 8 weights: a vpshufb, an XOR and an FMA, plus a shift and two ANDs per 64; in
+// small_block_avx2 a widening load, three shifts and two converts per 16 besides the FMAs,
+// and the widening load and the shifts share two of the four vector pipes of these cores.
+// Rounding: the partial sums add terms of the size of 136 |x| per weight instead of |q x|
+// (in units of the result), so an absolute error of about 2^-24 * 136 * s times the sum of
+// |x| over a segment, far below the bf16 output's rounding (small_block_nib takes the same
+// offset, see there). On the AVX2 Zen 4 VM of bench/CPU_NOTES.md 47: 1.16-1.18x the
+// weight rate of small_block_avx2 on cache-resident weights, 0.83-0.90x its time at
+// 4096^2 and 8192^2 g128 (one process, alternating rounds).
+template <int MB, int NB>
+PG_TARGET_AVX2 void small_block_avx2_i4(const SmallJob& job, const int64_t* rows, int64_t m0,
+                                        float* out /* [NB][MB] */) {
+  const FmaRows<NB> f(job, rows, m0, 64);
+  const QuantizedWeight& w = f.w;
+  const bool grouped = w.group_size > 0;
+  const int64_t seg = job.seg, kvec = f.kvec, ldx = f.ldx;
+  const float* x = f.x;
+  const uint8_t* const* q = f.q;
+  const float* seed = job.seed + m0 * job.nseed * 8;
+  const int64_t lds = job.nseed * 8;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i bits = _mm256_set1_epi32(0x3F880000);
+  __m256i sel[4];  // byte b of each dword to byte 2, zeros elsewhere (vpshufb: -128)
+  PG_UNROLL for (int b = 0; b < 4; ++b) {
+    const char z = -128;
+    sel[b] = _mm256_setr_epi8(z, z, char(b), z, z, z, char(4 + b), z, z, z, char(8 + b), z, z, z,
+                              char(12 + b), z, z, z, char(b), z, z, z, char(4 + b), z, z, z,
+                              char(8 + b), z, z, z, char(12 + b), z);
+  }
+  // The accumulators stay in memory between segments: the loop needs every register.
+  alignas(32) float acc[NB][MB][8] = {};
+  for (int64_t g = 0; g < job.nseed; ++g) {
+    __m256 plo[NB][MB], phi[NB][MB];
+    PG_UNROLL for (int m = 0; m < MB; ++m) {
+      const __m256 sd = _mm256_loadu_ps(seed + m * lds + g * 8);
+      PG_UNROLL for (int r = 0; r < NB; ++r) {
+        plo[r][m] = sd;
+        phi[r][m] = _mm256_setzero_ps();
+      }
+    }
+    const int64_t kend = std::min(kvec, (g + 1) * seg);
+    for (int64_t k = g * seg; k < kend; k += 64) {
+      // As small_block_avx2: the same k of the next block of rows, once per 64 bytes.
+      if (MB == 1 && (k & 127) == 0)
+        PG_UNROLL for (int r = 0; r < NB; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + k / 2 + NB * w.row_stride, _MM_HINT_T0);
+      PG_UNROLL for (int r = 0; r < NB; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + k / 2));
+        const __m256i t = _mm256_and_si256(v, low4);
+        const __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        PG_UNROLL for (int b = 0; b < 4; ++b) {
+          const __m256 ft = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_shuffle_epi8(t, sel[b]), bits));
+          const __m256 fu = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_shuffle_epi8(u, sel[b]), bits));
+          PG_UNROLL for (int m = 0; m < MB; ++m) {
+            const float* xk = x + m * ldx + k + 16 * b;
+            plo[r][m] = _mm256_fmadd_ps(ft, _mm256_loadu_ps(xk), plo[r][m]);
+            phi[r][m] = _mm256_fmadd_ps(fu, _mm256_loadu_ps(xk + 8), phi[r][m]);
+          }
+        }
+      }
+    }
+    PG_UNROLL for (int r = 0; r < NB; ++r) {
+      const __m256 sv = _mm256_set1_ps(grouped ? 128.f * scale_at(w, rows[r], g) : 1.f);
+      PG_UNROLL for (int m = 0; m < MB; ++m)
+        _mm256_store_ps(acc[r][m], _mm256_fmadd_ps(_mm256_add_ps(plo[r][m], phi[r][m]), sv,
+                                                   _mm256_load_ps(acc[r][m])));
+    }
+  }
+  PG_UNROLL for (int r = 0; r < NB; ++r)
+    PG_UNROLL for (int m = 0; m < MB; ++m)
+      out[r * MB + m] = hsum_avx2(_mm256_load_ps(acc[r][m])) *
+                        (grouped ? 1.f : 128.f * scale_at(w, rows[r], 0));
+  f.template add_tail<MB>(rows, true, out);
 }
 
 // Weight-only block with vdpbf16ps and no shuffles, for bf16 x (per-channel scales, or
@@ -765,6 +859,16 @@ PG_TARGET_AVX512_BF16 void small_block_nib(const SmallJob& job, const int64_t* r
 //    and partial sums: 2 NB MB); MB = 3, 4 with NB = 2 (NB MB accumulators + NB scales +
 //    2 NB weights + x).
 enum class Blk { avx512, nib, avx2 };
+// small_block_avx2_i4 where the job set it up (int4, M = 1); false: not taken.
+template <int MB, int NB, bool INT4>
+bool avx2_i4_block(const SmallJob& job, const int64_t* rows, int64_t m0, float* out) {
+  if constexpr (INT4 && MB == 1)
+    if (job.seg > 0) {
+      small_block_avx2_i4<MB, NB>(job, rows, m0, out);
+      return true;
+    }
+  return false;
+}
 template <int MB, int NB, bool INT4, Blk B>
 void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, int64_t ldr,
                 int64_t n0) {
@@ -782,7 +886,7 @@ void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, 
       small_block_avx512<MB, NB, INT4, scales_weights>(job, rows, m0, out);
     else
       small_block_avx512<MB, NB, INT4, false>(job, rows, m0, out);
-  } else {
+  } else if (!avx2_i4_block<MB, NB, INT4>(job, rows, m0, out)) {
     if (chan)
       small_block_avx2<MB, NB, INT4, scales_weights>(job, rows, m0, out);
     else
@@ -1025,7 +1129,16 @@ void small_rows_fma(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
     switch (rest & 3) {
       case 3: small_passes<3, NBS, INT4, B>(job, n, nb4, m0, res, ldr, n0); break;
       case 2: small_passes<2, NBS, INT4, B>(job, n, nb4, m0, res, ldr, n0); break;
-      case 1: small_pass<1, 4, INT4, B>(job, n, nb4, m0, res, ldr, n0); break;
+      case 1:
+        // small_block_avx2_i4 takes two weight rows: with four its constants left the
+        // registers (a memory operand per vpshufb), 1.13x slower on cache-resident weights.
+        if constexpr (B == Blk::avx2 && INT4)
+          if (job.seg > 0) {
+            small_passes<1, 2, INT4, B>(job, n, nb4, m0, res, ldr, n0);
+            break;
+          }
+        small_pass<1, 4, INT4, B>(job, n, nb4, m0, res, ldr, n0);
+        break;
       default: break;
     }
   }
@@ -1188,6 +1301,31 @@ void prepare_tile(const MixedLinearArgs& args, SmallJob& job) {
   job.xt = xt;
 }
 
+// Every |x| < limit (so no inf or NaN either).
+bool x_below(const float* x, int64_t M, int64_t K, int64_t ldx, float limit) {
+  bool ok = true;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) ok &= std::fabs(x[m * ldx + k]) < limit;
+  return ok;
+}
+
+// job.seed for small_block_avx2_i4 from the permuted x: per row of x and segment of job.seg
+// k (the last one ends at the last whole 64 k), -1.0625 times the sum of x over each lane.
+void prepare_avx2_i4(SmallJob& job) {
+  const int64_t kvec = job.k / 64 * 64;
+  job.nseed = (kvec + job.seg - 1) / job.seg;
+  float* seed = scratch(5, size_t(job.m * job.nseed * 8));
+  for (int64_t m = 0; m < job.m; ++m) {
+    const float* xm = job.x + m * job.ldx;
+    float* sd = seed + m * job.nseed * 8;
+    for (int64_t i = 0; i < job.nseed * 8; ++i) sd[i] = 0.f;
+    for (int64_t b = 0; b < kvec; b += 64)
+      for (int64_t i = 0; i < 64; ++i) sd[b / job.seg * 8 + i % 8] += xm[b + i];
+    for (int64_t i = 0; i < job.nseed * 8; ++i) sd[i] *= -1.0625f;
+  }
+  job.seed = seed;
+}
+
 bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   const int64_t M = args.x.rows, N = args.w.n, K = args.w.k;
   SmallJob job;
@@ -1219,24 +1357,38 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   const bool nib = avx512 && small_m_nib(args) && x_fits_nib(args.x);
   const bool tile = avx512 && !nib && small_m_bf16(args) && !fma_first(args);
   const bool permute = job.vec != Vec::none && args.w.bits == 4 && !nib && !tile;
-  float* tmp = permute ? scratch(4, size_t(K)) : nullptr;
-  for (int64_t m = 0; m < M; ++m) {
-    float* xm = x + m * job.ldx;
-    const void* src = xb + m * args.x.row_stride * es;
-    if (!permute) {
-      convert_to_f32(src, args.x.col_stride, args.x.dtype, K, xm);
-      continue;
-    }
-    convert_to_f32(src, args.x.col_stride, args.x.dtype, K, tmp);
-    const int64_t kvec = K / step * step;
-    for (int64_t b = 0; b < kvec; b += step)
-      for (int64_t j = 0; j < half; ++j) {
-        xm[b + j] = tmp[b + 2 * j];
-        xm[b + half + j] = tmp[b + 2 * j + 1];
+  for (int64_t m = 0; m < M; ++m)
+    convert_to_f32(xb + m * args.x.row_stride * es, args.x.col_stride, args.x.dtype, K,
+                   x + m * job.ldx);
+  // int4 at M = 1 on AVX2: small_block_avx2_i4 for a bf16 or f16 output (its offset
+  // sums' rounding, ~2^-16 of the result, is far below theirs but not below fp32's),
+  // unless x is so large (or not finite) that those sums could overflow. At M = 2 it was
+  // 1.06x slower than small_block_avx2 (bench/CPU_NOTES.md 47).
+  if (permute && job.vec == Vec::avx2 && M == 1 && K >= 64 && args.w.group_size % 64 == 0 &&
+      args.y.dtype != DType::f32 && x_below(x, M, K, job.ldx, 0x1p100f))
+    job.seg = args.w.group_size > 0 ? args.w.group_size : 256;
+  if (permute) {
+    float* tmp = scratch(4, size_t(K));
+    const int64_t blk = job.seg > 0 ? 64 : step;  // k per permuted block
+    const int64_t kvec = K / blk * blk;
+    for (int64_t m = 0; m < M; ++m) {
+      float* xm = x + m * job.ldx;
+      std::memcpy(tmp, xm, size_t(kvec) * sizeof(float));
+      for (int64_t b = 0; b < kvec; b += blk) {
+        if (job.seg > 0) {
+          for (int64_t j = 0; j < 8; ++j)
+            for (int64_t l = 0; l < 8; ++l) xm[b + 8 * j + l] = tmp[b + 8 * l + j];
+        } else {
+          for (int64_t j = 0; j < half; ++j) {
+            xm[b + j] = tmp[b + 2 * j];
+            xm[b + half + j] = tmp[b + 2 * j + 1];
+          }
+        }
       }
-    for (int64_t k = kvec; k < K; ++k) xm[k] = tmp[k];
+    }
   }
   job.x = x;
+  if (job.seg > 0) prepare_avx2_i4(job);
   if (nib)  // both need AVX512-BF16, so never on other CPUs
     prepare_nib(args, job);
   else if (tile)
