@@ -590,6 +590,9 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
   constexpr bool FOLD = MB <= 2;
   static_assert(!(FOLD && CHAN), "FOLD scales once per group already");
   constexpr int64_t step = 16;
+  // The first pass over these weight rows (see the prefetch below); MB = 1 always, at
+  // compile time, which keeps M = 1's loop as measured.
+  const bool first_pass = MB == 1 || m0 == 0;
   const FmaRows<NB> f(job, rows, m0, step);
   const QuantizedWeight& w = f.w;
   const int64_t gs = f.gs, groups = f.groups, ldx = f.ldx;
@@ -610,15 +613,17 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
     const int64_t kend = (g + 1) * gs;
     for (int64_t k = g * gs; k < kend; k += step) {
       const int64_t byte = INT4 ? k / 2 : k;
-      // One row of x: the same k of the next block of rows (as small_block_nib does),
-      // rather than 512 bytes ahead in the same row (small_block_avx512): each row is a
-      // short stream, and at the end of a block the hardware prefetchers start the next
-      // block's rows cold. On the AVX2 EPYC of bench/CPU_NOTES.md 32, M = 1 read its
-      // weights 1.10-1.21x faster (median of 8 alternating rounds, 31 of 32 won). int8
-      // fetches into L2 only: on the AVX2 Zen 4 VM of bench/CPU_NOTES.md 47 that took 0.92-
-      // 0.93x the time of fetching into L1 (one process, alternating rounds), where int4,
-      // bound by its own instructions, was 1.03x slower with it.
-      if (MB == 1 && (byte & 63) == 0)
+      // The first pass over a block of rows (m0 = 0: later chunks of x find it in L1)
+      // fetches the same k of the next block of rows (as small_block_nib does), rather
+      // than 512 bytes ahead in the same row (small_block_avx512): each row is a short
+      // stream, and at the end of a block the hardware prefetchers start the next block's
+      // rows cold. On the AVX2 EPYC of bench/CPU_NOTES.md 32, M = 1 read its weights
+      // 1.10-1.21x faster (median of 8 alternating rounds, 31 of 32 won); on the AVX2 Zen 4
+      // VM of section 47 M = 2, 4, 8 and 16 took 0.73-0.78, 0.80-0.84, 0.90-0.91 and
+      // 0.95-0.96x the time with it (one process, alternating rounds). int8 fetches into
+      // L2 only: there that took 0.92-0.93x the time of fetching into L1 at M = 1, where
+      // int4, bound by its own instructions, was 1.03x slower with it.
+      if (first_pass && (byte & 63) == 0)
         PG_UNROLL for (int r = 0; r < NB; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(q[r]) + byte + NB * w.row_stride,
                        INT4 ? _MM_HINT_T0 : _MM_HINT_T1);
