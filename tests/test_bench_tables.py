@@ -41,12 +41,13 @@ def met(cells: list[str]) -> bool:
 # The committed CPU runs: the main table (Zen 4 VM, 0c7b162; 8463bc3 the run before), the AMX
 # host's full runs (run 43c on a quiet host, run 44e on a loaded one), the Zen 5 VM's full runs (58813e3 with target 2.9 on torch's
 # OpenMP, ee8f0a3 with bf16 A read in place, 3f7c079 before it, b02b399 before the tile path's
-# new cuts, and 3d0b749 before its passes of 1024 k), the AVX2 quick runs (c4397dc with the int4
-# M = 1 offset block, 0ff38c2 with the AVX2 packers, c5ab17b before them, 201cf04 earlier, all with
-# dense rows; 0e42798 without).
+# new cuts, and 3d0b749 before its passes of 1024 k), the AVX2 quick runs (a8ef235 with the
+# prefetch at every M, c4397dc with the int4 M = 1 offset block, 0ff38c2 with the AVX2 packers,
+# c5ab17b before them, 201cf04 earlier, all with dense rows; 0e42798 without).
 ZEN5_RUNS = ["cpu_bench_zen5", "cpu_bench_zen5_ee8f0a3", "cpu_bench_zen5_3f7c079", "cpu_bench_zen5_b02b399",
              "cpu_bench_zen5_3d0b749"]
-AVX2_FULL_RUNS = ["cpu_bench_avx2", "cpu_bench_avx2_0ff38c2", "cpu_bench_avx2_c5ab17b", "cpu_bench_avx2_201cf04"]
+AVX2_FULL_RUNS = ["cpu_bench_avx2", "cpu_bench_avx2_c4397dc", "cpu_bench_avx2_0ff38c2", "cpu_bench_avx2_c5ab17b",
+                  "cpu_bench_avx2_201cf04"]
 CPU_RUNS = ["cpu_bench", "cpu_bench_8463bc3", "cpu_bench_amx", "cpu_bench_amx_run44e", *ZEN5_RUNS, *AVX2_FULL_RUNS,
             "cpu_bench_avx2_0e42798"]
 # The runs with dense rows, whose every goal row can be recomputed here.
