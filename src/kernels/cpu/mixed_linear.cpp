@@ -688,17 +688,14 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
 // offset, see there). On the AVX2 Zen 4 VM of bench/CPU_NOTES.md 47: 1.16-1.18x the
 // weight rate of small_block_avx2 on cache-resident weights, 0.83-0.90x its time at
 // 4096^2 and 8192^2 g128 (one process, alternating rounds).
-template <int MB, int NB>
-PG_TARGET_AVX2 void small_block_avx2_i4(const SmallJob& job, const int64_t* rows, int64_t m0,
-                                        float* out /* [NB][MB] */) {
-  const FmaRows<NB> f(job, rows, m0, 64);
+template <int NB>
+PG_TARGET_AVX2 void small_block_avx2_i4(const SmallJob& job, const int64_t* rows, float* out /* [NB] */) {
+  const FmaRows<NB> f(job, rows, 0, 64);
   const QuantizedWeight& w = f.w;
   const bool grouped = w.group_size > 0;
-  const int64_t seg = job.seg, kvec = f.kvec, ldx = f.ldx;
+  const int64_t seg = job.seg, kvec = f.kvec;
   const float* x = f.x;
   const uint8_t* const* q = f.q;
-  const float* seed = job.seed + m0 * job.nseed * 8;
-  const int64_t lds = job.nseed * 8;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i bits = _mm256_set1_epi32(0x3F880000);
   __m256i sel[4];  // byte b of each dword to byte 2, zeros elsewhere (vpshufb: -128)
@@ -709,20 +706,18 @@ PG_TARGET_AVX2 void small_block_avx2_i4(const SmallJob& job, const int64_t* rows
                               char(8 + b), z, z, z, char(12 + b), z);
   }
   // The accumulators stay in memory between segments: the loop needs every register.
-  alignas(32) float acc[NB][MB][8] = {};
+  alignas(32) float acc[NB][8] = {};
   for (int64_t g = 0; g < job.nseed; ++g) {
-    __m256 plo[NB][MB], phi[NB][MB];
-    PG_UNROLL for (int m = 0; m < MB; ++m) {
-      const __m256 sd = _mm256_loadu_ps(seed + m * lds + g * 8);
-      PG_UNROLL for (int r = 0; r < NB; ++r) {
-        plo[r][m] = sd;
-        phi[r][m] = _mm256_setzero_ps();
-      }
+    __m256 plo[NB], phi[NB];
+    const __m256 sd = _mm256_loadu_ps(job.seed + g * 8);
+    PG_UNROLL for (int r = 0; r < NB; ++r) {
+      plo[r] = sd;
+      phi[r] = _mm256_setzero_ps();
     }
     const int64_t kend = std::min(kvec, (g + 1) * seg);
     for (int64_t k = g * seg; k < kend; k += 64) {
       // As small_block_avx2: the same k of the next block of rows, once per 64 bytes.
-      if (MB == 1 && (k & 127) == 0)
+      if ((k & 127) == 0)
         PG_UNROLL for (int r = 0; r < NB; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(q[r]) + k / 2 + NB * w.row_stride, _MM_HINT_T0);
       PG_UNROLL for (int r = 0; r < NB; ++r) {
@@ -732,26 +727,19 @@ PG_TARGET_AVX2 void small_block_avx2_i4(const SmallJob& job, const int64_t* rows
         PG_UNROLL for (int b = 0; b < 4; ++b) {
           const __m256 ft = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_shuffle_epi8(t, sel[b]), bits));
           const __m256 fu = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_shuffle_epi8(u, sel[b]), bits));
-          PG_UNROLL for (int m = 0; m < MB; ++m) {
-            const float* xk = x + m * ldx + k + 16 * b;
-            plo[r][m] = _mm256_fmadd_ps(ft, _mm256_loadu_ps(xk), plo[r][m]);
-            phi[r][m] = _mm256_fmadd_ps(fu, _mm256_loadu_ps(xk + 8), phi[r][m]);
-          }
+          plo[r] = _mm256_fmadd_ps(ft, _mm256_loadu_ps(x + k + 16 * b), plo[r]);
+          phi[r] = _mm256_fmadd_ps(fu, _mm256_loadu_ps(x + k + 16 * b + 8), phi[r]);
         }
       }
     }
     PG_UNROLL for (int r = 0; r < NB; ++r) {
       const __m256 sv = _mm256_set1_ps(grouped ? 128.f * scale_at(w, rows[r], g) : 1.f);
-      PG_UNROLL for (int m = 0; m < MB; ++m)
-        _mm256_store_ps(acc[r][m], _mm256_fmadd_ps(_mm256_add_ps(plo[r][m], phi[r][m]), sv,
-                                                   _mm256_load_ps(acc[r][m])));
+      _mm256_store_ps(acc[r], _mm256_fmadd_ps(_mm256_add_ps(plo[r], phi[r]), sv, _mm256_load_ps(acc[r])));
     }
   }
   PG_UNROLL for (int r = 0; r < NB; ++r)
-    PG_UNROLL for (int m = 0; m < MB; ++m)
-      out[r * MB + m] = hsum_avx2(_mm256_load_ps(acc[r][m])) *
-                        (grouped ? 1.f : 128.f * scale_at(w, rows[r], 0));
-  f.template add_tail<MB>(rows, true, out);
+    out[r] = hsum_avx2(_mm256_load_ps(acc[r])) * (grouped ? 1.f : 128.f * scale_at(w, rows[r], 0));
+  f.template add_tail<1>(rows, true, out);
 }
 
 // Weight-only block with vdpbf16ps and no shuffles, for bf16 x (per-channel scales, or
@@ -864,12 +852,13 @@ PG_TARGET_AVX512_BF16 void small_block_nib(const SmallJob& job, const int64_t* r
 //    and partial sums: 2 NB MB); MB = 3, 4 with NB = 2 (NB MB accumulators + NB scales +
 //    2 NB weights + x).
 enum class Blk { avx512, nib, avx2 };
-// small_block_avx2_i4 where the job set it up (int4, M = 1); false: not taken.
+// small_block_avx2_i4 where the job set it up (int4, M = 1: small_rows_fma passes it two
+// weight rows at a time); false: not taken.
 template <int MB, int NB, bool INT4>
-bool avx2_i4_block(const SmallJob& job, const int64_t* rows, int64_t m0, float* out) {
-  if constexpr (INT4 && MB == 1)
+bool avx2_i4_block(const SmallJob& job, const int64_t* rows, float* out) {
+  if constexpr (INT4 && MB == 1 && NB == 2)
     if (job.seg > 0) {
-      small_block_avx2_i4<MB, NB>(job, rows, m0, out);
+      small_block_avx2_i4<NB>(job, rows, out);
       return true;
     }
   return false;
@@ -891,7 +880,7 @@ void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, 
       small_block_avx512<MB, NB, INT4, scales_weights>(job, rows, m0, out);
     else
       small_block_avx512<MB, NB, INT4, false>(job, rows, m0, out);
-  } else if (!avx2_i4_block<MB, NB, INT4>(job, rows, m0, out)) {
+  } else if (!avx2_i4_block<MB, NB, INT4>(job, rows, out)) {
     if (chan)
       small_block_avx2<MB, NB, INT4, scales_weights>(job, rows, m0, out);
     else
