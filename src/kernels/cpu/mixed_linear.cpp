@@ -619,8 +619,9 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
       // stream, and at the end of a block the hardware prefetchers start the next block's
       // rows cold. On the AVX2 EPYC of bench/CPU_NOTES.md 32, M = 1 read its weights
       // 1.10-1.21x faster (median of 8 alternating rounds, 31 of 32 won); on the AVX2 Zen 4
-      // VM of section 47 M = 2, 4, 8 and 16 took 0.73-0.78, 0.80-0.84, 0.90-0.91 and
-      // 0.95-0.96x the time with it (one process, alternating rounds). int8 fetches into
+      // VM of section 47 M = 2, 4, 8 and 16 took 0.73-0.82, 0.80-0.93, 0.88-0.98 and
+      // 0.94-0.96x the time with it (int4 and int8, three runs of alternating rounds in one
+      // process; one noisy run read 1.01 at M = 2). int8 fetches into
       // L2 only: there that took 0.92-0.93x the time of fetching into L1 at M = 1, where
       // int4, bound by its own instructions, was 1.03x slower with it.
       if (first_pass && (byte & 63) == 0)
