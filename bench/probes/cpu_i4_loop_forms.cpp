@@ -12,20 +12,27 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+// As the library compiles its blocks: a target attribute per function, the rest baseline.
+#define AVX2 __attribute__((target("avx2,fma")))
 #include <cmath>
-// Stand-alone: int4 M=1 inner loop, 2 rows per block, cache-resident weights.
-// MODE 0: vpshufb + xor + fma (shipped); MODE 1: vpshufb + fma, denormal weights (no xor).
-template <int MODE>
-__attribute__((target("avx2,fma"))) float run(const uint8_t* q, int64_t rows, int64_t K, const float* x, float* out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i bits = _mm256_set1_epi32(0x3F880000);
-  __m256i sel[4];
+// vpshufb controls: byte b of each dword to byte 2, zeros elsewhere (the library's).
+AVX2 static void make_sel(__m256i (&sel)[4]) {
   for (int b = 0; b < 4; ++b) {
     const char z = -128;
     sel[b] = _mm256_setr_epi8(z, z, char(b), z, z, z, char(4 + b), z, z, z, char(8 + b), z, z, z,
                               char(12 + b), z, z, z, char(b), z, z, z, char(4 + b), z, z, z,
                               char(8 + b), z, z, z, char(12 + b), z);
   }
+}
+// Stand-alone: int4 M=1 inner loop, 2 rows per block, cache-resident weights.
+// MODE 0: vpshufb + xor + fma (shipped); MODE 1: vpshufb + fma, denormal weights (no xor).
+template <int MODE>
+AVX2 float run(const uint8_t* q, int64_t rows, int64_t K, const float* x, float* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i bits = _mm256_set1_epi32(0x3F880000);
+  __m256i sel[4];
+  make_sel(sel);
   float tot = 0;
   for (int64_t n = 0; n < rows; n += 2) {
     const uint8_t* qr[2] = {q + n * K / 2, q + (n + 1) * K / 2};
@@ -56,51 +63,22 @@ __attribute__((target("avx2,fma"))) float run(const uint8_t* q, int64_t rows, in
   }
   return tot;
 }
-template <int XOR, int SH = 1>
-__attribute__((target("avx2,fma"))) float run1(const uint8_t* q, int64_t rows, int64_t K, const float* x, float* out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i bits = _mm256_set1_epi32(0x3F880000);
-  __m256i sel[4];
-  for (int b = 0; b < 4; ++b) {
-    const char z = -128;
-    sel[b] = _mm256_setr_epi8(z, z, char(b), z, z, z, char(4 + b), z, z, z, char(8 + b), z, z, z,
-                              char(12 + b), z, z, z, char(b), z, z, z, char(4 + b), z, z, z,
-                              char(8 + b), z, z, z, char(12 + b), z);
-  }
-  float tot = 0;
-  for (int64_t n = 0; n < rows; ++n) {
-    const uint8_t* qr = q + n * K / 2;
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t k = 0; k < K; k += 64) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + k / 2));
-      const __m256i t = _mm256_and_si256(v, low4);
-      const __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-#pragma GCC unroll 4
-      for (int b = 0; b < 4; ++b) {
-        __m256i st = SH ? _mm256_shuffle_epi8(t, sel[b]) : _mm256_add_epi32(t, sel[b]), su = SH ? _mm256_shuffle_epi8(u, sel[b]) : _mm256_add_epi32(u, sel[b]);
-        if (XOR) { st = _mm256_xor_si256(st, bits); su = _mm256_xor_si256(su, bits); }
-        a[2 * (b & 1)] = _mm256_fmadd_ps(_mm256_castsi256_ps(st), _mm256_loadu_ps(x + k + 16 * b), a[2 * (b & 1)]);
-        a[2 * (b & 1) + 1] = _mm256_fmadd_ps(_mm256_castsi256_ps(su), _mm256_loadu_ps(x + k + 16 * b + 8), a[2 * (b & 1) + 1]);
-      }
-    }
-    alignas(32) float t8[8];
-    _mm256_store_ps(t8, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-    float s = 0; for (float v : t8) s += v;
-    out[n] = s; tot += s;
-  }
-  return tot;
+// 8 weights as fp32: 1.0625 + q / 128 (XOR), or the nibble as a subnormal (no XOR).
+template <int XOR, int SH>
+AVX2 inline __m256 weights8(__m256i t, __m256i sel, __m256i bits) {
+  const __m256i w = SH ? _mm256_shuffle_epi8(t, sel) : _mm256_add_epi32(t, sel);
+  return _mm256_castsi256_ps(XOR ? _mm256_xor_si256(w, bits) : w);
 }
-template <int XOR, int CH>
-__attribute__((target("avx2,fma"))) float run8(const uint8_t* q, int64_t rows, int64_t K, const float* x, float* out) {
+// One weight row at a time. CH: 4 or 8 accumulator chains, or 0 for pairs of products
+// (a mul, an FMA on it, one add into each of 4 chains). SH = 0: an add in place of each
+// vpshufb (wrong values; timing only).
+template <int XOR, int CH, int SH = 1>
+AVX2 float run_row(const uint8_t* q, int64_t rows, int64_t K, const float* x, float* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i bits = _mm256_set1_epi32(0x3F880000);
   __m256i sel[4];
-  for (int b = 0; b < 4; ++b) {
-    const char z = -128;
-    sel[b] = _mm256_setr_epi8(z, z, char(b), z, z, z, char(4 + b), z, z, z, char(8 + b), z, z, z,
-                              char(12 + b), z, z, z, char(b), z, z, z, char(4 + b), z, z, z,
-                              char(8 + b), z, z, z, char(12 + b), z);
-  }
+  make_sel(sel);
+  auto weights = [&](__m256i t, int b) { return weights8<XOR, SH>(t, sel[b], bits); };
   float tot = 0;
   for (int64_t n = 0; n < rows; ++n) {
     const uint8_t* qr = q + n * K / 2;
@@ -110,33 +88,32 @@ __attribute__((target("avx2,fma"))) float run8(const uint8_t* q, int64_t rows, i
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + k / 2));
       const __m256i t = _mm256_and_si256(v, low4);
       const __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if (CH == 8) {
-#pragma GCC unroll 4
-      for (int b = 0; b < 4; ++b) {
-        __m256i st = _mm256_shuffle_epi8(t, sel[b]), su = _mm256_shuffle_epi8(u, sel[b]);
-        if (XOR) { st = _mm256_xor_si256(st, bits); su = _mm256_xor_si256(su, bits); }
-        a[2 * b] = _mm256_fmadd_ps(_mm256_castsi256_ps(st), _mm256_loadu_ps(x + k + 16 * b), a[2 * b]);
-        a[2 * b + 1] = _mm256_fmadd_ps(_mm256_castsi256_ps(su), _mm256_loadu_ps(x + k + 16 * b + 8), a[2 * b + 1]);
-      }
-      } else {
+      const float* xk = x + k;
+      if constexpr (CH == 0) {
 #pragma GCC unroll 2
-      for (int b = 0; b < 4; b += 2) {
-        __m256i st = _mm256_shuffle_epi8(t, sel[b]), su = _mm256_shuffle_epi8(u, sel[b]);
-        __m256i st1 = _mm256_shuffle_epi8(t, sel[b + 1]), su1 = _mm256_shuffle_epi8(u, sel[b + 1]);
-        if (XOR) { st = _mm256_xor_si256(st, bits); su = _mm256_xor_si256(su, bits); st1 = _mm256_xor_si256(st1, bits); su1 = _mm256_xor_si256(su1, bits); }
-        __m256 p0 = _mm256_fmadd_ps(_mm256_castsi256_ps(st), _mm256_loadu_ps(x + k + 16 * b), _mm256_mul_ps(_mm256_castsi256_ps(st1), _mm256_loadu_ps(x + k + 16 * b + 16)));
-        __m256 p1 = _mm256_fmadd_ps(_mm256_castsi256_ps(su), _mm256_loadu_ps(x + k + 16 * b + 8), _mm256_mul_ps(_mm256_castsi256_ps(su1), _mm256_loadu_ps(x + k + 16 * b + 24)));
-        a[b] = _mm256_add_ps(a[b], p0);
-        a[b + 1] = _mm256_add_ps(a[b + 1], p1);
-      }
+        for (int b = 0; b < 4; b += 2) {
+          a[b] = _mm256_add_ps(a[b], _mm256_fmadd_ps(weights(t, b), _mm256_loadu_ps(xk + 16 * b),
+                                                     _mm256_mul_ps(weights(t, b + 1), _mm256_loadu_ps(xk + 16 * b + 16))));
+          a[b + 1] = _mm256_add_ps(a[b + 1], _mm256_fmadd_ps(weights(u, b), _mm256_loadu_ps(xk + 16 * b + 8),
+                                                             _mm256_mul_ps(weights(u, b + 1), _mm256_loadu_ps(xk + 16 * b + 24))));
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; ++b) {
+          const int c = CH == 8 ? 2 * b : 2 * (b & 1);
+          a[c] = _mm256_fmadd_ps(weights(t, b), _mm256_loadu_ps(xk + 16 * b), a[c]);
+          a[c + 1] = _mm256_fmadd_ps(weights(u, b), _mm256_loadu_ps(xk + 16 * b + 8), a[c + 1]);
+        }
       }
     }
     alignas(32) float t8[8];
     __m256 s8 = a[0];
     for (int i = 1; i < 8; ++i) s8 = _mm256_add_ps(s8, a[i]);
     _mm256_store_ps(t8, s8);
-    float s = 0; for (float v : t8) s += v;
-    out[n] = s; tot += s;
+    float s = 0;
+    for (float v : t8) s += v;
+    out[n] = s;
+    tot += s;
   }
   return tot;
 }
@@ -147,6 +124,9 @@ const char* kNames[12] = {
     "6 one row, 4 chains, add instead of shuffle, XOR (timing)", "7 one row, 4 chains, add, no XOR (timing)",
     "8 one row, 8 chains, shuffle + XOR", "9 one row, 8 chains, no XOR",
     "10 one row, mul + FMA + add pairs, XOR", "11 one row, mul + FMA + add pairs, no XOR"};
+using Form = float (*)(const uint8_t*, int64_t, int64_t, const float*, float*);
+const Form forms[12] = {run<0>, run<1>, run<2>, run<3>, run_row<1, 4>, run_row<0, 4>, run_row<1, 4, 0>,
+                        run_row<0, 4, 0>, run_row<1, 8>, run_row<0, 8>, run_row<1, 0>, run_row<0, 0>};
 int main(int argc, char** argv) {
   const int64_t K = 4096, rows = argc > 1 ? atoi(argv[1]) : 128;  // 128 rows x 2 KB = 256 KB
   std::vector<uint8_t> q(rows * K / 2);
@@ -158,7 +138,7 @@ int main(int argc, char** argv) {
       const int iters = 2000;
       auto t0 = std::chrono::steady_clock::now();
       float s = 0;
-      for (int i = 0; i < iters; ++i) s += mode == 0 ? run<0>(q.data(), rows, K, x.data(), out.data()) : mode == 1 ? run<1>(q.data(), rows, K, x.data(), out.data()) : mode == 2 ? run<2>(q.data(), rows, K, x.data(), out.data()) : mode == 3 ? run<3>(q.data(), rows, K, x.data(), out.data()) : mode == 4 ? run1<1>(q.data(), rows, K, x.data(), out.data()) : mode == 5 ? run1<0>(q.data(), rows, K, x.data(), out.data()) : mode == 6 ? run1<1, 0>(q.data(), rows, K, x.data(), out.data()) : mode == 7 ? run1<0, 0>(q.data(), rows, K, x.data(), out.data()) : mode == 8 ? run8<1, 8>(q.data(), rows, K, x.data(), out.data()) : mode == 9 ? run8<0, 8>(q.data(), rows, K, x.data(), out.data()) : mode == 10 ? run8<1, 4>(q.data(), rows, K, x.data(), out.data()) : run8<0, 4>(q.data(), rows, K, x.data(), out.data());
+      for (int i = 0; i < iters; ++i) s += forms[mode](q.data(), rows, K, x.data(), out.data());
       double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       printf("%-58s %6.2f G weights/s (checksum %g)\n", kNames[mode], rows * K * (double)iters / dt / 1e9, s);
     }
