@@ -5,9 +5,9 @@ applied; not in the shipped kernels: refuted, bench/GPU_NOTES.md run 85a) takes 
 each weight row that a block asks the copy engine to bring into L2 before its loop
 (`cp.async.bulk.prefetch.L2`; unset or 0: off, -1: the whole row). It is timed under several
 settings in the same process, in alternating rounds (the setting's order rotates each round),
-on the same inputs: CUDA-graph replay of 20
-calls and eager CUDA events, weights rotated past L2, random data. Each setting's output must
-equal setting 0's bit for bit (a prefetch changes no arithmetic).
+on the same inputs: CUDA-graph replay of 20 calls and eager CUDA events, weights rotated
+past L2, random data. Each setting's output must equal setting 0's bit for bit (a prefetch
+changes no arithmetic).
 
     python bench/probes/gpu_l2_prefetch.py --rounds 3 --settings 0,-1,2048,1024
 
