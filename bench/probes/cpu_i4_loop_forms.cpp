@@ -6,16 +6,16 @@
 //
 //   g++ -O3 -std=c++17 bench/probes/cpu_i4_loop_forms.cpp -o i4forms && ./i4forms [ROWS]
 #include <immintrin.h>
+
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
 // As the library compiles its blocks: a target attribute per function, the rest baseline.
 #define AVX2 __attribute__((target("avx2,fma")))
-#include <cmath>
 // vpshufb controls: byte b of each dword to byte 2, zeros elsewhere (the library's).
 AVX2 static void make_sel(__m256i (&sel)[4]) {
   for (int b = 0; b < 4; ++b) {
@@ -25,8 +25,9 @@ AVX2 static void make_sel(__m256i (&sel)[4]) {
                               char(8 + b), z, z, z, char(12 + b), z);
   }
 }
-// Stand-alone: int4 M=1 inner loop, 2 rows per block, cache-resident weights.
-// MODE 0: vpshufb + xor + fma (shipped); MODE 1: vpshufb + fma, denormal weights (no xor).
+// Two weight rows at a time, as the library's block. MODE 0: vpshufb + XOR + FMA with 2
+// chains a row (the library's); 1: the same without the XOR (subnormal weights); 2 and 3:
+// as 0 and 1 with 4 chains a row.
 template <int MODE>
 AVX2 float run(const uint8_t* q, int64_t rows, int64_t K, const float* x, float* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
