@@ -31,7 +31,25 @@ import target_rounds  # bench/target_rounds.py, next to this file
 DENSE_SIZES = [256, 512, 1024, 2048, 4096]
 WEIGHT_SHAPES = [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (8192, 8192), (8192, 28672)]
 MS = [1, 2, 4, 8, 16, 32, 64, 256]
-LLC_BYTES = 128 * 2**20  # every implementation rotates its weights over more than this (> any LLC here)
+
+
+def llc_bytes() -> int:
+    """The largest cache this CPU reports (sysfs), or 0 where it reports none."""
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            pass
+    return best
+
+
+# Every implementation rotates its weights over more than this: 128 MiB, or twice the
+# last-level cache where that is larger (a Xeon VM reports 480 MiB of L3; with 128 MiB its
+# int8 M = 1 rows read at 105-107 % of the 1 GiB read probe, from the cache).
+LLC_BYTES = max(128 * 2**20, 2 * llc_bytes())
 LONG_CALL_S = 2.0  # a call this long is timed once per round (see timeit)
 
 
@@ -233,7 +251,10 @@ def markdown(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None
              f"{meta['threads']} threads, ISA {meta['isa']}, CPU flags: {meta['cpu_flags']}", "",
              f"Measured read bandwidth (sum over 1 GiB, same threads): **{meta['read_GBps']:.1f} GB/s** at the "
              f"start{probe_note(wo)}. Rows with M <= 16 alternate with a read-bandwidth probe for 3 rounds; their "
-             "share of the read bandwidth is the median of the per-round shares.", "",
+             "share of the read bandwidth is the median of the per-round shares."
+             + (f" Each implementation cycles through copies of its weights of at least "
+                f"{meta['rotation_bytes'] / 2**20:.0f} MiB in all (twice the largest cache the CPU reports, "
+                "128 MiB at least)." if "rotation_bytes" in meta else ""), "",
              "## Goals", "", *goals(meta, dense, wo, targets), "",
              "## Dense gemm vs torch.matmul (ratio > 1: we are faster)", ""]
     if dense:
@@ -286,8 +307,11 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             row(f"{dt} gemm >= 0.9x torch.matmul at 1024-4096",
                 ", ".join(f"{r['size']}: {r['ratio']:.2f}x" for r in rs), worst >= 0.9,
                 f"ours {max(r['ours_GFLOPs'] for r in rs):.0f} vs torch {best_torch:.0f} GFLOP/s on 2 cores"
-                + ("; the micro-kernel alone runs at the vdpbf16ps peak (CPU_NOTES 9), the rest is packing "
-                   "and blocking" if dt == "bfloat16" else
+                + (("; on AMX the tile kernel (32 x 32 of C) streams its B slivers from L2 and runs at "
+                    "half its in-L1 rate there, packing A and B takes 12-17 % of the call (bench/CPU_NOTES.md 49)"
+                    if "amx" in meta.get("isa", "") else
+                    "; the micro-kernel alone runs at the vdpbf16ps peak (CPU_NOTES 9), the rest is packing "
+                    "and blocking") if dt == "bfloat16" else
                    f"; against torch's fastest fp32 GEMM here as the ceiling ours runs at "
                    f"{max(r['ours_GFLOPs'] for r in rs) / best_torch:.0%} of it: the FMA rate of our "
                    f"{'12x32' if 'avx512' in meta.get('isa', '') else '6x16'} micro-kernel (cache-block and "
@@ -498,7 +522,8 @@ def main() -> int:
     bw = read_bandwidth()
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "torch": torch.__version__, "target": info["target"], "threads": args.threads,
-            "isa": info["features"].get("cpu_isa"), "cpu_flags": cpu_flags(), "read_GBps": bw}
+            "isa": info["features"].get("cpu_isa"), "cpu_flags": cpu_flags(), "read_GBps": bw,
+            "rotation_bytes": LLC_BYTES}
     print(f"cpu_bench: {json.dumps(meta)}")
     dense = [] if args.skip_dense else bench_dense(args.quick)
     wo = bench_weight_only(args.quick, bw)

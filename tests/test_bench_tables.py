@@ -43,15 +43,18 @@ def met(cells: list[str]) -> bool:
 # OpenMP, ee8f0a3 with bf16 A read in place, 3f7c079 before it, b02b399 before the tile path's
 # new cuts, and 3d0b749 before its passes of 1024 k), the AVX2 quick runs (a8ef235 with the
 # prefetch at every M, c4397dc with the int4 M = 1 offset block, 0ff38c2 with the AVX2 packers,
-# c5ab17b before them, 201cf04 earlier, all with dense rows; 0e42798 without).
+# c5ab17b before them, 201cf04 earlier, all with dense rows; 0e42798 without), and the 2-core
+# Xeon VM with AMX (2f51938 with weights rotated over twice its L3; rot128 over 128 MiB, the run before).
 ZEN5_RUNS = ["cpu_bench_zen5", "cpu_bench_zen5_ee8f0a3", "cpu_bench_zen5_3f7c079", "cpu_bench_zen5_b02b399",
              "cpu_bench_zen5_3d0b749"]
 AVX2_FULL_RUNS = ["cpu_bench_avx2", "cpu_bench_avx2_c4397dc", "cpu_bench_avx2_0ff38c2", "cpu_bench_avx2_c5ab17b",
                   "cpu_bench_avx2_201cf04"]
+XEON_VM_RUNS = ["cpu_bench_xeon_vm", "cpu_bench_xeon_vm_rot128"]
 CPU_RUNS = ["cpu_bench", "cpu_bench_8463bc3", "cpu_bench_amx", "cpu_bench_amx_run44e", *ZEN5_RUNS, *AVX2_FULL_RUNS,
-            "cpu_bench_avx2_0e42798"]
+            "cpu_bench_avx2_0e42798", *XEON_VM_RUNS]
 # The runs with dense rows, whose every goal row can be recomputed here.
-CPU_FULL_RUNS = ["cpu_bench", "cpu_bench_8463bc3", "cpu_bench_amx", "cpu_bench_amx_run44e", *ZEN5_RUNS, *AVX2_FULL_RUNS]
+CPU_FULL_RUNS = ["cpu_bench", "cpu_bench_8463bc3", "cpu_bench_amx", "cpu_bench_amx_run44e", *ZEN5_RUNS, *AVX2_FULL_RUNS,
+                 *XEON_VM_RUNS]
 
 
 @pytest.mark.parametrize("run", CPU_RUNS)

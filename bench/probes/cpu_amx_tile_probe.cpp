@@ -1,0 +1,116 @@
+// The AMX bf16 tile kernel alone (kern_amx<2> of src/kernels/cpu/gemm.cpp: 32 x 32 of C in
+// tiles 0-3, per 32 k one A tile of each 16 rows and two B tiles), on one core, against where
+// its operands live. A is NA slivers of 32 rows x KC k packed as tiles, B is NB slivers of
+// KC k x 32 columns packed as pair rows of 128 bytes (the library's layouts); every call
+// multiplies one A sliver by one B sliver. LOOP 0 takes the B slivers innermost (the
+// library's order: one A sliver stays in L1, B streams), LOOP 1 the A slivers. PF > 0 adds
+// prefetcht0 of the B rows PF steps of 32 k ahead (32 lines a step). Prints TFLOP/s of the
+// fastest of 7 repetitions of >= 20000 calls, and ns per tdpbf16ps. bench/CPU_NOTES.md 49.
+//
+//   g++ -O2 -std=c++17 bench/probes/cpu_amx_tile_probe.cpp -o amx_tile_probe
+//   ./amx_tile_probe KC NA NB [LOOP [PF]]
+//   e.g. ./amx_tile_probe 64 1 1        (everything in L1: the kernel's own rate)
+//        ./amx_tile_probe 512 1 32      (the library's K > 1024 blocks: B from L2)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// As in the library: ldtilecfg by inline assembly (GCC 12's _tile_loadconfig may drop the
+// configuration's stores once inlined).
+__attribute__((target("amx-tile"))) bool tiles_on() {
+  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return false;
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  __asm__ volatile("ldtilecfg %0" ::"m"(c));
+  return true;
+}
+
+__attribute__((target("amx-tile,amx-bf16,sse"))) void kern(int64_t kp, const char* a, const char* b,
+                                                           float* out, int pf) {
+  constexpr int64_t kRow = 128;  // bytes of a B pair row (32 columns)
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t p = 0; p < kp; p += 16) {
+    _tile_loadd(4, a + 128 * p, 64);
+    _tile_loadd(6, b + p * kRow, kRow);
+    _tile_loadd(7, b + p * kRow + 64, kRow);
+    if (pf > 0)
+      for (int l = 0; l < 32; ++l) _mm_prefetch(b + (p + 16 * pf) * kRow + 64 * l, _MM_HINT_T0);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 128 * p + 1024, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, 128);
+  _tile_stored(1, out + 16, 128);
+  _tile_stored(2, out + 512, 128);
+  _tile_stored(3, out + 528, 128);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: %s KC NA NB [LOOP [PF]]\n", argv[0]);
+    return 2;
+  }
+  const int64_t kc = std::atol(argv[1]), na = std::atol(argv[2]), nb = std::atol(argv[3]);
+  const int loop = argc > 4 ? std::atoi(argv[4]) : 0, pf = argc > 5 ? std::atoi(argv[5]) : 0;
+  if (kc <= 0 || kc % 32 != 0 || na <= 0 || nb <= 0) {
+    std::fprintf(stderr, "KC must be a positive multiple of 32, NA and NB positive\n");
+    return 2;
+  }
+  if (!tiles_on()) {
+    std::fprintf(stderr, "no AMX tile state on this CPU / kernel\n");
+    return 1;
+  }
+  const int64_t sliver = 32 * kc * 2;  // bytes of an A or B sliver
+  // Random bf16 in [1, 2): no zeros, no denormals. Padding past the last B sliver for PF.
+  std::vector<uint16_t> a(size_t(na * sliver / 2)), b(size_t(nb * sliver / 2 + 64 * 64 * (pf + 1)));
+  std::mt19937 rng(1);
+  for (auto& v : a) v = uint16_t(0x3f80 | (rng() & 0x7f));
+  for (auto& v : b) v = uint16_t(0x3f80 | (rng() & 0x7f));
+  alignas(64) static float out[32 * 32];
+  const char* a0 = reinterpret_cast<const char*>(a.data());
+  const char* b0 = reinterpret_cast<const char*>(b.data());
+  double best = 1e30;
+  for (int rep = 0; rep < 7; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    int64_t calls = 0;
+    while (calls < 20000) {
+      for (int64_t i = 0; i < (loop ? nb : na); ++i)
+        for (int64_t j = 0; j < (loop ? na : nb); ++j, ++calls) {
+          const int64_t ia = loop ? j : i, ib = loop ? i : j;
+          kern(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, pf);
+        }
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s / double(calls) < best) best = s / double(calls);
+  }
+  std::printf("KC %ld NA %ld NB %ld LOOP %d PF %d: %.3f TFLOP/s on one core, %.1f ns a tdpbf16ps (out %g)\n",
+              long(kc), long(na), long(nb), loop, pf, 2.0 * 32 * 32 * double(kc) / best / 1e12,
+              best / double(kc / 32 * 4) * 1e9, double(out[0]));
+  return 0;
+}
