@@ -1110,6 +1110,9 @@ struct DenseJob {
   int64_t tm, tn;            // task grid
   int64_t m_units, n_units;  // rows / columns in units of mr / nr
   mutable std::atomic<bool> failed{false};
+  // AMX: all of A packed as tiles once per call (pack_a_shared), or null (each task packs
+  // its own rows per column block).
+  const float* a_tiles = nullptr;
 };
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -1146,6 +1149,64 @@ bool a_in_place(const ConstMatrix& a, int64_t K, int64_t kc, int mr) {
   return true;
 }
 
+// AMX with A packed for the call (job.a_tiles), a task of more than kKinRows rows and K over
+// kc_whole: row chunks of kKinRows, each through all of K (blocks of ~kKinKc) before the next,
+// with B packed for all of K once per column block. A chunk's fp32 partial sums
+// (kKinRows x nc, 1 MB) then stay in L2 instead of 2048 rows' (8 MB) passing through L3 at
+// every kc block, and a 32-row A sliver of 256 k (16 KB) stays in L1 while B's slivers
+// stream past it, where one of 512 k (32 KB) did not (bench/CPU_NOTES.md 49: the tile kernel
+// at 0.88 against 0.77 TFLOP/s a core with B from L2).
+constexpr int64_t kKinRows = 256, kKinKc = 256;
+constexpr int64_t kKinBMax = int64_t(32) << 20;  // bytes of B packed for all of K, per task
+
+bool kin_order(const DenseJob& job, int64_t rows, int64_t ncb) {
+  const KernelSet& ks = *job.ks;
+  const int64_t K = job.p->k;
+  return ks.amx && job.a_tiles != nullptr && rows > kKinRows && K > ks.kc_whole &&
+         K * ncb * 2 <= kKinBMax;
+}
+
+void run_block_kin(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi) {
+  const DenseProblem& p = *job.p;
+  const KernelSet& ks = *job.ks;
+  const int mr = ks.mr, nr = ks.nr;
+  const int64_t K = p.k;
+  const int64_t npc = (K + kKinKc - 1) / kKinKc;
+  const int64_t kcb = round_up((K + npc - 1) / npc, 32), kub = kcb / 2;  // K % 32 == 0
+  const int64_t ncb = std::min(ks.nc, round_up(n_hi - n_lo, nr));
+  float* bp = scratch(0, size_t(npc * kub * ncb));
+  float* ws = scratch(2, size_t(kKinRows * ncb));
+  alignas(64) float tile[16 * 64];
+  for (int64_t jc = n_lo; jc < n_hi; jc += ncb) {
+    const int64_t nc = std::min(ncb, n_hi - jc);
+    for (int64_t i = 0; i < npc; ++i) {
+      const int64_t pc = i * kcb;
+      p.pack_b_pairs(p.b_ctx, pc, std::min(kcb, K - pc), jc, nc, nr, bp + i * kub * ncb);
+    }
+    for (int64_t mo = m_lo; mo < m_hi; mo += kKinRows) {
+      const int64_t mch = std::min(kKinRows, m_hi - mo);
+      for (int64_t i = 0; i < npc; ++i) {
+        const int64_t pc = i * kcb, ku = std::min(kcb, K - pc) / 2;
+        const bool first = i == 0, last = i == npc - 1;
+        for (int64_t ir = 0; ir < mch; ir += mr) {
+          const int m = int(std::min<int64_t>(mr, mch - ir));
+          const float* a_sl = job.a_tiles + (mo + ir) / mr * (K / 2) * mr + pc / 2 * mr;
+          for (int64_t jr = 0; jr < nc; jr += nr) {
+            const float* b_sl = bp + i * kub * ncb + jr * ku;
+            float* w = ws + ir * ncb + jr;
+            if (last) {
+              ks.kern[m](ku, a_sl, b_sl, nr, first ? nullptr : w, ncb, tile, nr);
+              job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
+            } else {
+              ks.kern[m](ku, a_sl, b_sl, nr, first ? nullptr : w, ncb, w, ncb);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi) {
   const DenseProblem& p = *job.p;
   const KernelSet& ks = *job.ks;
@@ -1155,6 +1216,7 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   const int64_t npc = K <= ks.kc_whole ? 1 : (K + ks.kc - 1) / ks.kc;
   const int64_t kcb = round_up((K + npc - 1) / npc, ks.amx ? 32 : 4);  // AMX: K % 32 == 0
   const int64_t ncb = std::min(ks.nc, round_up(n_hi - n_lo, nr));
+  if (kin_order(job, m_hi - m_lo, ncb)) return run_block_kin(job, m_lo, m_hi, n_lo, n_hi);
   // Row chunks of even size: 2048 rows become 2 x 1032, not 2040 + 8 (each chunk packs
   // the B panels again).
   const int64_t nmch = (m_hi - m_lo + ks.mch - 1) / ks.mch;
@@ -1169,10 +1231,10 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   constexpr int64_t kKeepA = int64_t(16) << 20;
   const bool rows = pairs && ks.kern_rows[1] != nullptr && a_in_place(p.a, K, kcb, mr);
   const uint16_t* a16 = static_cast<const uint16_t*>(p.a.data);
-  const bool keep_a = !rows && m_hi - m_lo <= mchb && n_hi - n_lo > ncb &&
+  const bool keep_a = !rows && job.a_tiles == nullptr && m_hi - m_lo <= mchb && n_hi - n_lo > ncb &&
                       npc * kub * mchb * int64_t(sizeof(float)) <= kKeepA;
   float* bp = scratch(0, size_t(kub * ncb));
-  float* ap_all = rows ? nullptr : scratch(1, size_t(kub * mchb * (keep_a ? npc : 1)));
+  float* ap_all = rows || job.a_tiles ? nullptr : scratch(1, size_t(kub * mchb * (keep_a ? npc : 1)));
   float* ws = npc > 1 ? scratch(2, size_t(mchb * ncb)) : nullptr;
   alignas(64) float tile[16 * 64];
 
@@ -1185,7 +1247,7 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
         const bool first = pc == 0, last = pc + kc == K;
         const int64_t ku = pairs ? (kc + 1) / 2 : kc;
         float* ap = keep_a ? ap_all + pc / kcb * kub * mchb : ap_all;
-        const bool pack_a_now = !rows && (!keep_a || jc == n_lo);  // rows: ap_all is null
+        const bool pack_a_now = ap_all != nullptr && (!keep_a || jc == n_lo);
         if (pairs) {
           p.pack_b_pairs(p.b_ctx, pc, kc, jc, nc, nr, bp);
           if (pack_a_now && ks.amx) pack_a_tiles_bf16(p.a, mo, mch, pc, kc, mr, ap);
@@ -1196,7 +1258,10 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
         }
         for (int64_t ir = 0; ir < mch; ir += mr) {
           const int m = int(std::min<int64_t>(mr, mch - ir));
-          const float* a_sl = rows ? nullptr : ap + ir * ku;
+          // job.a_tiles: the sliver of rows mo + ir in K order, block pc at 16 * pc (mr 32).
+          const float* a_sl = rows         ? nullptr
+                              : job.a_tiles ? job.a_tiles + (mo + ir) / mr * (K / 2) * mr + pc / 2 * mr
+                                            : ap + ir * ku;
           const uint16_t* a_rows = rows ? a16 + (mo + ir) * p.a.row_stride + pc : nullptr;
           const auto kern = [&](const float* b_sl, const float* in, float* out, int64_t ldout) {
             if (rows) ks.kern_rows[m](ku, a_rows, p.a.row_stride, b_sl, nr, in, ncb, out, ldout);
@@ -1365,6 +1430,44 @@ void dense_task(void* ctx, int64_t begin, int64_t end) {
   });
 }
 
+// AMX, A packed once for the whole call: tasks take slivers of 32 rows [s0, s1) over all of
+// K (pack_a_tiles_bf16's layout of K as one block is that of its kc blocks laid end to end,
+// so every task can take any of its kc blocks from it).
+struct APackJob {
+  const ConstMatrix* a;
+  int64_t m, k;
+  float* dst;
+  mutable std::atomic<bool> failed{false};
+};
+
+void a_pack_task(void* ctx, int64_t s0, int64_t s1) {
+  const APackJob& job = *static_cast<const APackJob*>(ctx);
+  guarded(job.failed, [&] {
+    const int64_t r0 = s0 * 32, r1 = std::min(job.m, s1 * 32);
+    pack_a_tiles_bf16(*job.a, r0, r1 - r0, 0, job.k, 32, job.dst + s0 * 16 * job.k);
+  });
+}
+
+// Where tasks split N (or a task walks several column blocks), each packs all of its rows
+// of A once per column block: twice per task at 4096^3 on 2 threads, 9-12 % of the call on
+// the 2-core Xeon VM of bench/CPU_NOTES.md 49. Packed once here instead, the threads taking
+// slivers of rows, when it takes at most kSharedAMax bytes (the caller's scratch slot 4, read
+// by every task while the caller waits in parallel_for; no dense task uses that slot).
+constexpr int64_t kSharedAMax = int64_t(64) << 20;
+
+const float* pack_a_shared(const DenseProblem& p, const DenseJob& job, const Executor& exec,
+                           int64_t threads) {
+  const KernelSet& ks = *job.ks;
+  const bool packs_again = job.tn > 1 || p.n > job.tn * ks.nc;
+  if (!ks.amx || !packs_again || p.m * p.k * 2 > kSharedAMax) return nullptr;
+  APackJob pj{&p.a, p.m, p.k, scratch(4, size_t(job.m_units * 16 * p.k))};
+  if (threads > 1 && exec.parallel_for != nullptr)
+    exec.parallel_for(exec.self, 0, job.m_units, 1, a_pack_task, &pj);
+  else
+    a_pack_task(&pj, 0, job.m_units);
+  return pj.failed.load() ? nullptr : pj.dst;
+}
+
 // c = act(bias) (or act(0)): the K == 0 case.
 void fill_epilogue(const Epilogue& ep, int64_t m, int64_t n) {
   alignas(64) float zeros[256] = {};
@@ -1405,8 +1508,10 @@ bool dense_gemm(const DenseProblem& p, const Executor& exec) {
     // share of the FLOPs); split M only when N alone cannot feed every thread.
     job.tn = std::min(threads, job.n_units);
     job.tm = std::min(std::max<int64_t>(1, threads / job.tn), job.m_units);
+    job.a_tiles = pack_a_shared(p, job, exec, threads);
     exec.parallel_for(exec.self, 0, job.tm * job.tn, 1, dense_task, &job);
   } else {
+    job.a_tiles = pack_a_shared(p, job, exec, 1);
     dense_task(&job, 0, 1);
   }
   return !job.failed.load();
