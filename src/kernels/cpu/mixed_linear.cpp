@@ -1185,7 +1185,7 @@ int64_t nib_max_m(const QuantizedWeight& w) {
   return w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
 }
 // On AMX CPUs, M below kAmxMinM takes the fp32 FMA blocks (small_rows_avx512) instead of
-// the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 up to M = 2. By the
+// the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 up to M = 3. By the
 // timings there, vdpbf16ps does no more multiply-adds per cycle than the FMA units, so the
 // bf16 blocks' extra work (unpacking nibbles; int8 as two nibble dot products) is not paid
 // back where the weights come from cache; int4's nibble block reads its weight from memory
@@ -1198,10 +1198,13 @@ int64_t nib_max_m(const QuantizedWeight& w) {
 // streaming from memory (as in decoding, and in bench/cpu_bench.py): M = 2 0.80 ms against
 // 0.60 (0.81x torch against 1.09x), M = 4 1.07 against 1.04 (M = 3 not measured that way).
 // On the Zen 4 dev VM the bf16 blocks are the faster ones. AMX stands for that kind of core
-// here.
+// here. int4 g128 at M = 3 and 4 with streaming weights, one process (bench/CPU_NOTES.md 51),
+// the nibble block's time over the FMA blocks': on the 2-core Xeon VM 0.78-0.82 (M = 3) and
+// 0.79-0.85 (M = 4); on that Xeon 0.91-0.98 (M = 3) but 0.90-1.13 (M = 4, 1.09 at N =
+// 22016). So M = 3 takes the nibble block and M = 4 stays.
 bool fma_first(const MixedLinearArgs& a) {
   const int64_t m = a.x.rows;
-  return m < kAmxMinM && (a.w.bits == 8 || m > 2) && amx_supported();
+  return m < kAmxMinM && (a.w.bits == 8 || m > 3) && amx_supported();
 }
 bool small_m_nib(const MixedLinearArgs& a) {
   return small_m_bf16(a) && a.x.rows <= nib_max_m(a.w) && !fma_first(a);
