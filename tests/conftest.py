@@ -39,8 +39,10 @@ LARGE_K = [(16, 8192, 64)]
 # K over the AMX kernel's kc of 512 but within 1024, which it takes as one block. The fifth:
 # bf16 on AMX over its row block of 2048 with a 5-row last sliver, K % 32 == 0 in 3 kc blocks
 # (384 / 320); with tasks over N, A is packed once for the call and shared (gemm.cpp,
-# pack_a_shared), as in the third and fourth.
-BLOCK_EDGES = [(2053, 1601, 2100), (45, 1601, 2100), (45, 1600, 2100), (45, 992, 2100), (2085, 1088, 1100)]
+# pack_a_shared), as in the third and fourth. The sixth: too small to wake the pool, so one
+# task walks three column blocks and packs the shared A itself.
+BLOCK_EDGES = [(2053, 1601, 2100), (45, 1601, 2100), (45, 1600, 2100), (45, 992, 2100), (2085, 1088, 1100),
+               (16, 32, 2080)]
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
