@@ -138,6 +138,24 @@ def cpu_flags() -> str:
         return platform.machine()
 
 
+def cpu_model() -> str:
+    """The CPU's name with its family and model (VMs often show only "AMD EPYC"), and its
+    per-core L2 and shared L3 as Linux reports them: which core a table was measured on."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+        field = dict((k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in info.splitlines()))
+        caches = {}
+        for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            level = (idx / "level").read_text().strip()
+            if level in ("2", "3") and (idx / "type").read_text().strip() in ("Unified", "Data"):
+                caches[f"L{level}"] = (idx / "size").read_text().strip()
+        cache = ", ".join(f"{k} {v}" for k, v in sorted(caches.items()))
+        return (f"{field.get('model name', platform.processor())} (family {field.get('cpu family', '?')}, "
+                f"model {field.get('model', '?')}" + (f"; {cache}" if cache else "") + ")")
+    except (OSError, ValueError):
+        return platform.processor() or platform.machine()
+
+
 def bench_dense(quick: bool) -> list[dict]:
     rows = []
     sizes = [1024, 2048] if quick else DENSE_SIZES
@@ -248,7 +266,8 @@ def bench_weight_only(quick: bool, bw: float) -> list[dict]:
 def markdown(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None = None) -> str:
     lines = [f"# CPU benchmark — {meta['date']}", "",
              f"commit `{meta['commit']}`, torch {meta['torch']}, target {meta['target']}, "
-             f"{meta['threads']} threads, ISA {meta['isa']}, CPU flags: {meta['cpu_flags']}", "",
+             f"{meta['threads']} threads, ISA {meta['isa']}, CPU flags: {meta['cpu_flags']}"
+             + (f", CPU: {meta['cpu']}" if "cpu" in meta else ""), "",
              f"Measured read bandwidth (sum over 1 GiB, same threads): **{meta['read_GBps']:.1f} GB/s** at the "
              f"start{probe_note(wo)}. Rows with M <= 16 alternate with a read-bandwidth probe for 3 rounds; their "
              "share of the read bandwidth is the median of the per-round shares."
@@ -522,7 +541,7 @@ def main() -> int:
     bw = read_bandwidth()
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "torch": torch.__version__, "target": info["target"], "threads": args.threads,
-            "isa": info["features"].get("cpu_isa"), "cpu_flags": cpu_flags(), "read_GBps": bw,
+            "isa": info["features"].get("cpu_isa"), "cpu_flags": cpu_flags(), "cpu": cpu_model(), "read_GBps": bw,
             "rotation_bytes": LLC_BYTES}
     print(f"cpu_bench: {json.dumps(meta)}")
     dense = [] if args.skip_dense else bench_dense(args.quick)

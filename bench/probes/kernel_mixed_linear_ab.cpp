@@ -3,7 +3,7 @@
 // thread pool, and the builds take turns, a block of calls each, for several rounds. Each
 // round also times a plain read of a buffer larger than the caches on the same number of
 // threads (the bench's read probe), so a kernel's weight rate can be put against it.
-// bf16 x and scales, random int4 / int8 weights rotated over 192 MB of copies.
+// bf16 x and scales, random int4 / int8 weights rotated over 192 MiB of copies (PGX_ROT_MB).
 //
 // Separate processes cannot resolve a few per cent on the shared VMs this project is
 // measured on: their speed moves by 20-40 % from one minute to the next
@@ -115,7 +115,11 @@ int main(int argc, char** argv) {
   for (int i = 9; i < argc; ++i) builds.push_back(open_build(argv[i]));
 
   const int64_t row = bits == 4 ? K / 2 : K, wbytes = N * row;
-  const int copies = int(std::max<int64_t>(1, (192ll << 20) / wbytes));
+  // PGX_ROT_MB: the rotation in MiB (192 unless set; twice the last-level cache on hosts
+  // whose L3 is larger than 96 MiB).
+  const char* rot_env = std::getenv("PGX_ROT_MB");
+  const int64_t rot_mb = rot_env ? std::atol(rot_env) : 192;
+  const int copies = int(std::max<int64_t>(1, (rot_mb << 20) / wbytes));
   std::mt19937 rng(1);
   std::uniform_int_distribution<int> byte(0, 255);
   std::vector<std::vector<uint8_t>> w(static_cast<size_t>(copies), std::vector<uint8_t>(static_cast<size_t>(wbytes)));
