@@ -33,11 +33,22 @@ WEIGHT_SHAPES = [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (819
 MS = [1, 2, 4, 8, 16, 32, 64, 256]
 
 
+def sysfs_caches() -> list[tuple[str, str, str]]:
+    """(level, type, size as sysfs writes it, e.g. "2048K") of each cache of cpu0; none
+    where sysfs has no cache directory."""
+    caches = []
+    for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            caches.append(tuple((idx / f).read_text().strip() for f in ("level", "type", "size")))
+        except OSError:
+            pass
+    return caches
+
+
 def llc_bytes() -> int:
     """The largest cache this CPU reports (sysfs), or 0 where it reports none."""
     best = 0
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip()
+    for _, _, text in sysfs_caches():
         scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
         try:
             best = max(best, int(text.rstrip("KMG")) * scale)
@@ -144,12 +155,8 @@ def cpu_model() -> str:
     try:
         info = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
         field = dict((k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in info.splitlines()))
-        caches = {}
-        for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-            level = (idx / "level").read_text().strip()
-            if level in ("2", "3") and (idx / "type").read_text().strip() in ("Unified", "Data"):
-                caches[f"L{level}"] = (idx / "size").read_text().strip()
-        cache = ", ".join(f"{k} {v}" for k, v in sorted(caches.items()))
+        cache = ", ".join(f"L{level} {size}" for level, kind, size in sysfs_caches()
+                          if level in ("2", "3") and kind in ("Unified", "Data"))
         return (f"{field.get('model name', platform.processor())} (family {field.get('cpu family', '?')}, "
                 f"model {field.get('model', '?')}" + (f"; {cache}" if cache else "") + ")")
     except (OSError, ValueError):
