@@ -62,14 +62,17 @@ def llc_bytes() -> int:
 # int8 M = 1 rows read at 105-107 % of the 1 GiB read probe, from the cache).
 LLC_BYTES = max(128 * 2**20, 2 * llc_bytes())
 LONG_CALL_S = 2.0  # a call this long is timed once per round (see timeit)
+ONCE_CALL_S = 30.0  # a call this long is timed in the first round only (see in_rounds)
 
 
-def timeit(fn, min_time: float = 0.3, reps: int = 5) -> tuple[float, float]:
+def timeit(fn, min_time: float = 0.3, reps: int = 5, warm: bool = True) -> tuple[float, float]:
     """Median and spread (max - min) in seconds of one call; each rep runs >= min_time/reps.
-    A call of LONG_CALL_S or more (after the warm-up call) is that one sample: torch's bf16
-    matmul on a CPU without AVX512-BF16 takes seconds per call (2.8 s at 1024^3 on an AVX2
-    machine), and 5 more reps in each of 3 rounds would be most of the run."""
-    fn(0)
+    A call of LONG_CALL_S or more (after the warm-up call, which `warm=False` leaves out) is
+    that one sample: torch's bf16 matmul on a CPU without AVX512-BF16 takes seconds per call
+    (2.8 s at 1024^3 on an AVX2 machine), and 5 more reps in each of 3 rounds would be most
+    of the run."""
+    if warm:
+        fn(0)
     t0 = time.perf_counter()
     fn(1)
     one = max(time.perf_counter() - t0, 1e-6)
@@ -103,20 +106,29 @@ def in_rounds(fns: dict, rounds: int = 3, min_time: float = 0.1, probe: bool = F
     `rounds` rounds: name -> seconds per call in each round (median of `reps`; "probe" ->
     GB/s). The VM's neighbours come and go within seconds, and its read bandwidth and speed
     move with them (bench/CPU_NOTES.md, sections 16 and 17): a ratio or share taken within
-    one round sees every side under the same load."""
+    one round sees every side under the same load.
+
+    A call of LONG_CALL_S or more is not warmed up again after the first round, and one of
+    ONCE_CALL_S or more is not timed again at all: its list holds the first round's sample
+    only, so per_round takes the first round. On an AVX2 Zen 1 torch's bf16 matmul took
+    140 s per 2048^3 call (bench/CPU_NOTES.md 52): 3 rounds of a warm-up and a timed call
+    were 14 of the quick run's 18 minutes, and 4096^3 would take hours."""
     out: dict[str, list[float]] = {name: [] for name in fns}
     if probe:
         out["probe"] = []
-    for _ in range(rounds):
+    for r in range(rounds):
         if probe:
             out["probe"].append(read_bandwidth(min_time=min_time))
         for name, fn in fns.items():
-            out[name].append(timeit(fn, min_time=min_time, reps=reps)[0])
+            if r > 0 and out[name][0] >= ONCE_CALL_S:
+                continue
+            warm = r == 0 or out[name][0] < LONG_CALL_S
+            out[name].append(timeit(fn, min_time=min_time, reps=reps, warm=warm)[0])
     return out
 
 
 def per_round(a: list[float], b: list[float]) -> float:
-    """Median over rounds of a / b."""
+    """Median over the rounds both were timed in (see in_rounds) of a / b."""
     return statistics.median(x / y for x, y in zip(a, b))
 
 
@@ -174,11 +186,16 @@ def bench_dense(quick: bool) -> list[dict]:
             t_ours, t_ref, ratio = statistics.median(R["ours"]), statistics.median(R["ref"]), per_round(R["ref"], R["ours"])
             sp = max(R["ours"]) - min(R["ours"])
             gf = 2 * s**3 / t_ours / 1e9
-            rows.append({"dtype": str(dtype)[6:], "size": s, "ours_ms": t_ours * 1e3, "spread_ms": sp * 1e3,
-                         "torch_ms": t_ref * 1e3, "ours_GFLOPs": gf, "ratio": ratio})
+            paired = min(len(R["ours"]), len(R["ref"]))
+            row = {"dtype": str(dtype)[6:], "size": s, "ours_ms": t_ours * 1e3, "spread_ms": sp * 1e3,
+                   "torch_ms": t_ref * 1e3, "ours_GFLOPs": gf, "ratio": ratio}
+            if paired < max(len(R["ours"]), len(R["ref"])):
+                row["rounds"] = paired
+            rows.append(row)
             print(f"  gemm {str(dtype)[6:]:<8} {s:>5}^3  ours {t_ours * 1e3:9.2f} ms ({gf:7.1f} GFLOP/s)  "
-                  f"torch.matmul {t_ref * 1e3:9.2f} ms  ratio {ratio:.2f} (median of 3 alternating rounds)",
-                  flush=True)
+                  f"torch.matmul {t_ref * 1e3:9.2f} ms  ratio {ratio:.2f} "
+                  + (f"(median of {paired} alternating rounds)" if paired > 1 else
+                     f"(first round only: a call took {max(t_ours, t_ref):.0f} s)"), flush=True)
     return rows
 
 
@@ -289,7 +306,10 @@ def markdown(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None
         lines.append("Not measured in this run (`--skip-dense`).")
     for r in dense:
         lines.append(f"| {r['dtype']} | {r['size']} | {r['ours_ms']:.2f} | {r['torch_ms']:.2f} | "
-                     f"{r['ours_GFLOPs']:.1f} | {r['ratio']:.2f} |")
+                     f"{r['ours_GFLOPs']:.1f} | {r['ratio']:.2f}{'*' if 'rounds' in r else ''} |")
+    if any("rounds" in r for r in dense):
+        lines += ["", f"\\* a call took {ONCE_CALL_S:.0f} s or more: this size was timed in the first round "
+                  "only, so the ratio is that round's."]
     lines += ["", "## Weight-only mixed_linear (bf16 activations)", "",
               "| scheme | K | N | M | ours ms | GB/s | of read bw | vs torch weight-only | vs bf16 F.linear |",
               "|---|---|---|---|---|---|---|---|---|"]

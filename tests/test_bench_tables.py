@@ -157,6 +157,54 @@ def test_target_rounds_alternate_sets_the_target_per_side():
         target_rounds.alternate("raise SystemExit(3)", [], "2.9", rounds=1)
 
 
+class FakeClock:
+    """time.perf_counter for cpu_bench: each call of a timed fn advances it by that fn's cost."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.calls: dict[str, int] = {}
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def fn(self, name: str, cost_s: float):
+        def call(i):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.now += cost_s
+        return call
+
+
+def test_in_rounds_times_long_calls_fewer_times(benches, monkeypatch):
+    """Short calls: a warm-up and reps every round. From LONG_CALL_S: one call a round after a
+    single warm-up. From ONCE_CALL_S: the first round only, and per_round pairs that round."""
+    cpu_bench, _ = benches
+    clock = FakeClock()
+    monkeypatch.setattr(cpu_bench, "time", clock)
+    long_s, once_s = cpu_bench.LONG_CALL_S * 1.5, cpu_bench.ONCE_CALL_S * 2
+    R = cpu_bench.in_rounds({"short": clock.fn("short", 0.01), "long": clock.fn("long", long_s),
+                             "once": clock.fn("once", once_s)}, rounds=3, min_time=0.1, reps=3)
+    assert R["short"] == pytest.approx([0.01] * 3)
+    assert R["long"] == pytest.approx([long_s] * 3)
+    assert R["once"] == pytest.approx([once_s])
+    assert clock.calls["long"] == 2 + 1 + 1  # round 1: warm-up + sample; later: sample only
+    assert clock.calls["once"] == 2
+    assert clock.calls["short"] > 3 * 2
+    assert cpu_bench.per_round(R["once"], R["short"]) == pytest.approx(once_s / 0.01)
+
+
+def test_dense_row_timed_once_is_marked(benches):
+    cpu_bench, _ = benches
+    d = json.loads((RESULTS / "cpu_bench_zen1.json").read_text())
+    dense = [dict(r) for r in d["dense"]]
+    plain = cpu_bench.markdown(d["meta"], dense, d["weight_only"], d.get("targets"))
+    assert "first round" not in plain
+    dense[-1]["rounds"] = 1
+    md = cpu_bench.markdown(d["meta"], dense, d["weight_only"], d.get("targets"))
+    r = dense[-1]
+    assert f"| {r['ratio']:.2f}* |" in md
+    assert "timed in the first round only" in md
+
+
 PROBE_LOGS_ORDER = r"""
 import json, os, sys
 t = os.environ.get("PORTABLE_GEMM_TARGET", "2.11")
