@@ -20,7 +20,9 @@
 //    4 rows, and for int4 at M = 1 small_block_avx2_i4). Group scales are applied per
 //    group, so no horizontal reductions happen inside K. Group sizes that are not a
 //    multiple of the blocks' k step take a plain loop (small_rows_rowwise: a weight row
-//    dequantised into L1, then a dot per row of x).
+//    dequantised into L1, then a dot per row of x). On AVX2-only CPUs from 13 rows of x
+//    (16 for int4 per channel), any group size: small_rows_dq_avx2, each pair of weight
+//    rows dequantised once, then a 6 x 2 register tile over every row of x.
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
@@ -382,6 +384,8 @@ struct SmallJob {
   // row of x and segment of seg k (a group; per channel 256 k) the 8-lane offset
   // correction that starts each segment's partial sums. 0: not this path.
   int64_t seg = 0;
+  // AVX2, dq_min_rows rows of x or more (small_rows_dq_avx2): x in plain k order.
+  bool dq = false;
   mutable std::atomic<bool> failed{false};
 };
 
@@ -1138,6 +1142,78 @@ void small_rows_fma(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
     }
   }
 }
+
+// ---- AVX2, more rows of x: each weight dequantised once ----
+//
+// small_rows_fma dequantises a block of weight rows again for every chunk of 4 rows of x:
+// per 8 weights a widening load, shifts, a convert and a multiply, against 4 FMAs a chunk.
+// From dq_min_rows rows (job.dq), each pair of weight rows is instead dequantised once into
+// a buffer (dequant_row over all of K: q * s in fp32, the products small_block_avx2 forms
+// when it scales the weights; any group size), and a register tile of up to 6 rows of x
+// x the 2 weight rows runs FMAs along k over every row of x, with x in plain k order.
+// Chunks of K small enough for L1 were slower on the Zen 1 VM of bench/CPU_NOTES.md 53
+// (one thread, M = 16, 4096^2, time against small_rows_fma: 1.36x at 128 k, 1.24x at
+// 256, 1.04x at 512, 0.98x with all of K; at 28672 k and M = 32 chunks of 2048 took 0.89x,
+// all of K 0.80x), so a pass takes the whole rows.
+
+// Rows of x from which small_rows_dq_avx2 runs: 13, where small_rows_fma needs a fourth
+// pass over the weights. Time against small_rows_fma's on the same VM, 2 threads, 4096^2
+// (section 53): int8 g128 1.26x at M = 8, 1.03x at 12, 0.89x at 13, 0.85-0.94x at 16,
+// 0.77-0.86x at 32; int8 per channel 0.90x at 13; int4 g128 0.92x at 13, 0.88x at 16.
+// int4 per channel from 16: there small_rows_fma scales the results, not the weights, and
+// took 0.95-0.99x the time of this path at 13-15 rows (this path 0.95x its time at 16).
+int64_t dq_min_rows(const QuantizedWeight& w) { return w.bits == 4 && w.group_size == 0 ? 16 : 13; }
+
+// res[m * ldr + r] = sum over k < k8 (a multiple of 8) of w_r[k] * x[m][k], for r < 1 + two.
+// Per 8 k: 2 + MB loads for 2 MB FMAs; MB = 6 holds 12 sums, 2 weights and x (15 ymm).
+template <int MB>
+PG_TARGET_AVX2 void dq_tile_avx2(const float* x, int64_t ldx, const float* w0, const float* w1,
+                                 int64_t k8, float* res, int64_t ldr, bool two) {
+  __m256 a0[MB], a1[MB];
+  PG_UNROLL for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k8; k += 8) {
+    const __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k);
+    PG_UNROLL for (int m = 0; m < MB; ++m) {
+      __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+      // One load of x for both FMAs: gcc otherwise folds it into each as a memory operand,
+      // 14 loads per 12 FMAs (bench/CPU_NOTES.md 53).
+      asm("" : "+x"(xv));
+      a0[m] = _mm256_fmadd_ps(b0, xv, a0[m]);
+      a1[m] = _mm256_fmadd_ps(b1, xv, a1[m]);
+    }
+  }
+  PG_UNROLL for (int m = 0; m < MB; ++m) {
+    res[m * ldr] = hsum_avx2(a0[m]);
+    if (two) res[m * ldr + 1] = hsum_avx2(a1[m]);
+  }
+}
+
+// Weight rows n0 .. n1 against every row of x (rows zero-padded from K to ldx).
+PG_TARGET_AVX2 void small_rows_dq_avx2(const SmallJob& job, int64_t n0, int64_t n1, float* res,
+                                       int64_t ldr) {
+  const QuantizedWeight& w = job.args->w;
+  const int64_t M = job.m, K = job.k, ldx = job.ldx, k8 = (K + 7) / 8 * 8;
+  float* wb = scratch(6, size_t(2 * k8));
+  std::fill(wb, wb + 2 * k8, 0.f);  // the pads from K to k8 stay zero
+  for (int64_t n = n0; n < n1; n += 2) {
+    const bool two = n + 1 < n1;  // a single last row: its twin's sums are dropped
+    dequant_row(w, n, 0, K, wb);
+    dequant_row(w, two ? n + 1 : n, 0, K, wb + k8);
+    float* r = res + (n - n0);
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) dq_tile_avx2<6>(job.x + m * ldx, ldx, wb, wb + k8, k8, r + m * ldr, ldr, two);
+    const float* x = job.x + m * ldx;
+    r += m * ldr;
+    switch (M - m) {
+      case 5: dq_tile_avx2<5>(x, ldx, wb, wb + k8, k8, r, ldr, two); break;
+      case 4: dq_tile_avx2<4>(x, ldx, wb, wb + k8, k8, r, ldr, two); break;
+      case 3: dq_tile_avx2<3>(x, ldx, wb, wb + k8, k8, r, ldr, two); break;
+      case 2: dq_tile_avx2<2>(x, ldx, wb, wb + k8, k8, r, ldr, two); break;
+      case 1: dq_tile_avx2<1>(x, ldx, wb, wb + k8, k8, r, ldr, two); break;
+      default: break;
+    }
+  }
+}
 #endif
 
 void small_task_impl(const SmallJob& job, int64_t n0, int64_t n1) {
@@ -1159,6 +1235,8 @@ void small_task_impl(const SmallJob& job, int64_t n0, int64_t n1) {
       small_rows_fma<true, Blk::avx512>(job, n0, n1, res, cols);
     else
       small_rows_fma<false, Blk::avx512>(job, n0, n1, res, cols);
+  } else if (job.dq) {
+    small_rows_dq_avx2(job, n0, n1, res, cols);
   } else if (job.vec == Vec::avx2) {
     if (job.args->w.bits == 4)
       small_rows_fma<true, Blk::avx2>(job, n0, n1, res, cols);
@@ -1349,15 +1427,20 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   // x as contiguous fp32, shared read-only by all threads; row stride padded to 16
   // floats so vector loads of different rows start on cache-line boundaries.
   job.ldx = (K + 15) / 16 * 16;
+#if PG_X86
+  job.dq = vec == Vec::avx2 && M >= dq_min_rows(args.w);
+#endif
   float* x = scratch(2, size_t(M * job.ldx));
   const int64_t es = int64_t(dtype_size(args.x.dtype));
   const char* xb = static_cast<const char*>(args.x.data);
   const bool nib = avx512 && small_m_nib(args) && x_fits_nib(args.x);
   const bool tile = avx512 && !nib && small_m_bf16(args) && !fma_first(args);
-  const bool permute = job.vec != Vec::none && args.w.bits == 4 && !nib && !tile;
-  for (int64_t m = 0; m < M; ++m)
-    convert_to_f32(xb + m * args.x.row_stride * es, args.x.col_stride, args.x.dtype, K,
-                   x + m * job.ldx);
+  const bool permute = job.vec != Vec::none && args.w.bits == 4 && !nib && !tile && !job.dq;
+  for (int64_t m = 0; m < M; ++m) {
+    float* xm = x + m * job.ldx;
+    convert_to_f32(xb + m * args.x.row_stride * es, args.x.col_stride, args.x.dtype, K, xm);
+    std::fill(xm + K, xm + job.ldx, 0.f);  // small_rows_dq_avx2 reads whole vectors
+  }
   // int4 at M = 1 on AVX2: small_block_avx2_i4 for a bf16 or f16 output (its offset
   // sums' rounding, ~2^-16 of the result, is far below theirs but not below fp32's),
   // unless x is so large (or not finite) that those sums could overflow. At M = 2 it was
