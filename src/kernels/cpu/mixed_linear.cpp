@@ -1,7 +1,7 @@
 // Weight-only quantised linear: y = act(x @ dequant(w)^T + bias).
 //
 // Two regimes:
-//  * small M (decode; M <= 16, 32 or 64, see small_m_max_rows): threads take blocks of
+//  * small M (decode; M <= 16, 32, 64 or 128, see small_m_max_rows): threads take blocks of
 //    output channels.
 //    x is converted once to a contiguous fp32 buffer. For bf16 x on AVX512-BF16 CPUs
 //    (groups of whole 64-byte weight blocks) also to a bf16 copy in the lane order of one
@@ -21,8 +21,8 @@
 //    group, so no horizontal reductions happen inside K. Group sizes that are not a
 //    multiple of the blocks' k step take a plain loop (small_rows_rowwise: a weight row
 //    dequantised into L1, then a dot per row of x). On AVX2-only CPUs from 13 rows of x
-//    (16 for int4 per channel), any group size: small_rows_dq_avx2, each pair of weight
-//    rows dequantised once, then a 6 x 2 register tile over every row of x.
+//    (16 for int4 per channel) up to 128, any group size: small_rows_dq_avx2, each pair of
+//    weight rows dequantised once, then a 6 x 2 register tile over every row of x.
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
@@ -43,7 +43,7 @@ namespace cpu {
 namespace {
 
 // Above these M the dense path wins (measured A/B, see small_m_max_rows): from 33 rows in
-// general, from 17 when x is bf16 and the vdpbf16ps GEMM runs the dense path but the small
+// general (on AVX2-only CPUs from kDqMaxM + 1 where small_rows_dq_avx2 applies), from 17 when x is bf16 and the vdpbf16ps GEMM runs the dense path but the small
 // one cannot use vdpbf16ps (groups that are not whole 64-byte blocks), and from 65 with the
 // tile path (small_rows_tile) and per-channel scales where no AMX GEMM takes the dense path.
 constexpr int64_t kSmallM = 32;
@@ -384,7 +384,7 @@ struct SmallJob {
   // row of x and segment of seg k (a group; per channel 256 k) the 8-lane offset
   // correction that starts each segment's partial sums. 0: not this path.
   int64_t seg = 0;
-  // AVX2, dq_min_rows rows of x or more (small_rows_dq_avx2): x in plain k order.
+  // AVX2, dq_applies (small_rows_dq_avx2): x in plain k order.
   bool dq = false;
   mutable std::atomic<bool> failed{false};
 };
@@ -1164,6 +1164,22 @@ void small_rows_fma(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
 // took 0.95-0.99x the time of this path at 13-15 rows (this path 0.95x its time at 16).
 int64_t dq_min_rows(const QuantizedWeight& w) { return w.bits == 4 && w.group_size == 0 ? 16 : 13; }
 
+// Up to kDqMaxM rows it also beats the dense path (dequantised B panels, gemm.cpp's 6 x 16
+// kernel), whose packing (a dequantised row, then a transpose) was 22 % of its samples at
+// M = 64 (perf). Time against the dense path's (section 53): 0.68-0.89x at M = 33-64 (int8
+// and int4, 4096^2 and 11008 x 4096; int4 g128 at 4096 x 12288 0.97x), at 96 int8 g128
+// 0.82x and int4 g128 1.00x, at 128 0.85x (int8) and 0.94x (int4 per channel), at 160
+// 0.93x, at 192 0.98x, at 256 1.16x. Every pair of weight rows reads all of x, so x (as
+// fp32) must stay in the caches: at most kDqMaxX bytes (M = 32 at 28672 k, 3.7 MB, ran
+// 0.80x small_rows_fma's time on the VM's 8 MB of L3).
+constexpr int64_t kDqMaxM = 128;
+constexpr int64_t kDqMaxX = int64_t(4) << 20;
+bool dq_applies(const MixedLinearArgs& a) {
+  const int64_t m = a.x.rows;
+  return active_isa() == Isa::avx2 && m >= dq_min_rows(a.w) && m <= kDqMaxM &&
+         m * a.w.k * int64_t(sizeof(float)) <= kDqMaxX;
+}
+
 // res[m * ldr + r] = sum over k < k8 (a multiple of 8) of w_r[k] * x[m][k], for r < 1 + two.
 // Per 8 k: 2 + MB loads for 2 MB FMAs; MB = 6 holds 12 sums, 2 weights and x (15 ymm).
 template <int MB>
@@ -1428,7 +1444,7 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   // floats so vector loads of different rows start on cache-line boundaries.
   job.ldx = (K + 15) / 16 * 16;
 #if PG_X86
-  job.dq = vec == Vec::avx2 && M >= dq_min_rows(args.w);
+  job.dq = dq_applies(args);
 #endif
   float* x = scratch(2, size_t(M * job.ldx));
   const int64_t es = int64_t(dtype_size(args.x.dtype));
@@ -1789,6 +1805,9 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
 // M = 33-64 for int8 at 8192^2 and 4096 x 12288, 0.82x at 48 and 0.88-1.01x at 64 for int4,
 // and about even for int8 4096^2 at 64 (1.07x, 4 rounds of 0.93-1.66).
 int64_t small_m_max_rows(const MixedLinearArgs& a) {
+#if PG_X86
+  if (dq_applies(a)) return kDqMaxM;
+#endif
   if (!has_bf16_x_pairs(a)) return kSmallM;
   if (!small_m_bf16(a)) return kSmallMPairs;
   if (a.w.group_size != 0 && a.w.group_size < a.w.k) return kSmallM;
