@@ -43,9 +43,10 @@ namespace cpu {
 namespace {
 
 // Above these M the dense path wins (measured A/B, see small_m_max_rows): from 33 rows in
-// general (on AVX2-only CPUs from kDqMaxM + 1 where small_rows_dq_avx2 applies), from 17 when x is bf16 and the vdpbf16ps GEMM runs the dense path but the small
-// one cannot use vdpbf16ps (groups that are not whole 64-byte blocks), and from 65 with the
-// tile path (small_rows_tile) and per-channel scales where no AMX GEMM takes the dense path.
+// general (on AVX2-only CPUs from kDqMaxM + 1 where small_rows_dq_avx2 applies), from 17
+// when x is bf16 and the vdpbf16ps GEMM runs the dense path but the small one cannot use
+// vdpbf16ps (groups that are not whole 64-byte blocks), and from 65 with the tile path
+// (small_rows_tile) and per-channel scales where no AMX GEMM takes the dense path.
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kSmallMPairs = 16;
 constexpr int64_t kSmallMTile = 64;
