@@ -511,6 +511,7 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
   const float* x = f.x;
   const uint8_t* const* q = f.q;
   const __m512 nibbles = nibble_table();
+  const bool first_pass = MB == 1 || m0 == 0;  // later chunks of x find the rows in L1
 
   __m512 acc[NB][MB];
   PG_UNROLL for (int r = 0; r < NB; ++r)
@@ -528,11 +529,17 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
         PG_UNROLL for (int m = 0; m < MB; ++m) part[r][m] = _mm512_setzero_ps();
     const int64_t kend = (g + 1) * gs;
     for (int64_t k = g * gs; k < kend; k += step) {
-      // One row of x: the weight streams are all there is; a software prefetch 512 bytes
-      // ahead per row gained 4-8% on the 2-core dev machine (none with more rows).
-      if (MB == 1 && (k & 63) == 0)
+      const int64_t byte = INT4 ? k / 2 : k;
+      // The first pass over a block of rows fetches the same k of the next block's rows,
+      // as small_block_avx2 does: at the end of a block the hardware prefetchers would
+      // start those rows cold (an int4 row is 2 KB at K = 4096). On the 2-core AMX Xeon VM
+      // (bench/CPU_NOTES.md 54, one process, 8 alternating rounds, weights rotated over
+      // 960 MB) against 512 bytes ahead in the same row at M = 1 only: int4 g128 M = 4 took
+      // 0.65-0.66x the time at K = 4096 and 0.94x at 8192; int8 M = 2 and 4 0.84-0.99x;
+      // M = 1 int8 0.94x, int4 1.00x. Into L2 instead of L1: the same within noise.
+      if (first_pass && (byte & 63) == 0)
         PG_UNROLL for (int r = 0; r < NB; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + (INT4 ? k / 2 : k) + 512, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + byte + NB * w.row_stride, _MM_HINT_T0);
       if (INT4) {
         __m512 lo[NB], hi[NB];
         PG_UNROLL for (int r = 0; r < NB; ++r) {
@@ -620,7 +627,7 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
       const int64_t byte = INT4 ? k / 2 : k;
       // The first pass over a block of rows (m0 = 0: later chunks of x find it in L1)
       // fetches the same k of the next block of rows (as small_block_nib does), rather
-      // than 512 bytes ahead in the same row (small_block_avx512): each row is a short
+      // than 512 bytes ahead in the same row (as it did before): each row is a short
       // stream, and at the end of a block the hardware prefetchers start the next block's
       // rows cold. On the AVX2 EPYC of bench/CPU_NOTES.md 32, M = 1 read its weights
       // 1.10-1.21x faster (median of 8 alternating rounds, 31 of 32 won); on the AVX2 Zen 4
@@ -1280,26 +1287,23 @@ int64_t nib_max_m(const QuantizedWeight& w) {
   return w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
 }
 // On AMX CPUs, M below kAmxMinM takes the fp32 FMA blocks (small_rows_avx512) instead of
-// the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 up to M = 3. By the
+// the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 at M = 1. By the
 // timings there, vdpbf16ps does no more multiply-adds per cycle than the FMA units, so the
 // bf16 blocks' extra work (unpacking nibbles; int8 as two nibble dot products) is not paid
-// back where the weights come from cache; int4's nibble block reads its weight from memory
-// faster at the fewest rows.
+// back where the weights come from cache.
 // Measured on the AMX Xeon of bench/CPU_NOTES.md 21, 23 and 27 (2 threads, against torch's
 // weight-only kernels): int8 per channel M = 1 1.11-1.25x on the FMA blocks, 0.73-0.81x on
 // the nibble blocks; int8 M = 2 and 4 1.07-1.37x against 0.65-0.77x on the tile blocks.
-// int4 g128 4096^2 with cache-resident weights: M = 4 0.78-0.79 ms on the FMA blocks
-// against 1.16-1.27 ms, M = 2 ~5-8 % faster, M = 1 10-20 % slower; with the weights
-// streaming from memory (as in decoding, and in bench/cpu_bench.py): M = 2 0.80 ms against
-// 0.60 (0.81x torch against 1.09x), M = 4 1.07 against 1.04 (M = 3 not measured that way).
-// On the Zen 4 dev VM the bf16 blocks are the faster ones. AMX stands for that kind of core
-// here. int4 g128 at M = 3 and 4 with streaming weights, one process (bench/CPU_NOTES.md 51),
-// the nibble block's time over the FMA blocks': on the 2-core Xeon VM 0.78-0.82 (M = 3) and
-// 0.79-0.85 (M = 4); on that Xeon 0.91-0.98 (M = 3) but 0.90-1.13 (M = 4, 1.09 at N =
-// 22016). So M = 3 takes the nibble block and M = 4 stays.
+// int4 with the weights streaming from memory (as in decoding, and in bench/cpu_bench.py)
+// took the nibble block up to M = 3 while the FMA blocks prefetched only 512 bytes ahead
+// at M = 1 (sections 27, 51). Since they fetch the next block's rows (section 54), the FMA
+// blocks' time over the nibble block's on the 2-core Xeon VM, one process: M = 2 0.84-0.89,
+// M = 3 0.65-0.78 (int4 g128 and per channel, K = 4096 and 8192), M = 1 1.01 (0.92-1.56
+// over rounds). On the Zen 4 dev VM (no AMX) the bf16 blocks are the faster ones; AMX
+// stands for that kind of core here.
 bool fma_first(const MixedLinearArgs& a) {
   const int64_t m = a.x.rows;
-  return m < kAmxMinM && (a.w.bits == 8 || m > 3) && amx_supported();
+  return m < kAmxMinM && (a.w.bits == 8 || m > 1) && amx_supported();
 }
 bool small_m_nib(const MixedLinearArgs& a) {
   return small_m_bf16(a) && a.x.rows <= nib_max_m(a.w) && !fma_first(a);
