@@ -20,9 +20,10 @@
 //    4 rows, and for int4 at M = 1 small_block_avx2_i4). Group scales are applied per
 //    group, so no horizontal reductions happen inside K. Group sizes that are not a
 //    multiple of the blocks' k step take a plain loop (small_rows_rowwise: a weight row
-//    dequantised into L1, then a dot per row of x). On AVX2-only CPUs from 13 rows of x
-//    (16 for int4 per channel) up to 128, any group size: small_rows_dq_avx2, each pair of
-//    weight rows dequantised once, then a 6 x 2 register tile over every row of x.
+//    dequantised into L1, then a dot per row of x). On AVX2-only CPUs from 9 rows of x up
+//    to 48 (on Zen 1 cores from 13, int4 per channel 16, up to 128), any group size:
+//    small_rows_dq_avx2, each pair of weight rows dequantised once, then a 6 x 2 register
+//    tile over every row of x.
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
@@ -34,6 +35,7 @@
 #include "cpu/common.h"
 
 #if PG_X86
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -43,7 +45,7 @@ namespace cpu {
 namespace {
 
 // Above these M the dense path wins (measured A/B, see small_m_max_rows): from 33 rows in
-// general (on AVX2-only CPUs from kDqMaxM + 1 where small_rows_dq_avx2 applies), from 17
+// general (on AVX2-only CPUs from dq_max_rows + 1 where small_rows_dq_avx2 applies), from 17
 // when x is bf16 and the vdpbf16ps GEMM runs the dense path but the small one cannot use
 // vdpbf16ps (groups that are not whole 64-byte blocks), and from 65 with the tile path
 // (small_rows_tile) and per-channel scales where no AMX GEMM takes the dense path.
@@ -1164,27 +1166,64 @@ void small_rows_fma(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
 // 256, 1.04x at 512, 0.98x with all of K; at 28672 k and M = 32 chunks of 2048 took 0.89x,
 // all of K 0.80x), so a pass takes the whole rows.
 
-// Rows of x from which small_rows_dq_avx2 runs: 13, where small_rows_fma needs a fourth
-// pass over the weights. Time against small_rows_fma's on the same VM, 2 threads, 4096^2
-// (section 53): int8 g128 1.26x at M = 8, 1.03x at 12, 0.89x at 13, 0.85-0.94x at 16,
-// 0.77-0.86x at 32; int8 per channel 0.90x at 13; int4 g128 0.92x at 13, 0.88x at 16.
-// int4 per channel from 16: there small_rows_fma scales the results, not the weights, and
-// took 0.95-0.99x the time of this path at 13-15 rows (this path 0.95x its time at 16).
-int64_t dq_min_rows(const QuantizedWeight& w) { return w.bits == 4 && w.group_size == 0 ? 16 : 13; }
+// Zen and Zen+ (AMD family 17h below model 30h, and Hygon's family 18h built on them) run
+// every 256-bit AVX2 operation as two 128-bit halves. There the dense path's FMA-bound
+// micro-kernel is relatively slower than on cores with two full-width FMA pipes (Intel's,
+// Zen 2 on), and the crossovers below sit elsewhere.
+bool avx2_half_width() {
+  static const bool half = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char vendor[12];
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+    unsigned family = (a >> 8) & 0xF, model = (a >> 4) & 0xF;
+    if (family == 0xF) {
+      family += (a >> 20) & 0xFF;
+      model |= ((a >> 16) & 0xF) << 4;
+    }
+    return (std::memcmp(vendor, "AuthenticAMD", 12) == 0 && family == 0x17 && model < 0x30) ||
+           (std::memcmp(vendor, "HygonGenuine", 12) == 0 && family == 0x18);
+  }();
+  return half;
+}
 
-// Up to kDqMaxM rows it also beats the dense path (dequantised B panels, gemm.cpp's 6 x 16
+// Rows of x from which small_rows_dq_avx2 runs, against small_rows_fma, which needs a
+// pass over the weights per 4 rows of x. Time against small_rows_fma's, 2 threads, 4096^2
+// unless said (bench/CPU_NOTES.md 53, 55):
+//  * the Zen 1 VM: int8 g128 1.26x at M = 8, 1.03x at 12, 0.89x at 13, 0.85-0.94x at 16,
+//    0.77-0.86x at 32; int8 per channel 0.90x at 13; int4 g128 0.92x at 13, 0.88x at 16;
+//    int4 per channel 0.95-0.99x small_rows_fma's time at 13-15 (there small_rows_fma
+//    scales the results, not the weights), this path 0.95x its time at 16. From 13 rows
+//    (int4 per channel 16).
+//  * a Xeon VM under PORTABLE_GEMM_ISA=avx2: int8 g128 1.07x at M = 8, 0.92x at 10, 0.83x
+//    at 12; int8 per channel 0.90x at 9, 0.89x at 10; int4 g128 0.82x at 12, 0.84x at 10
+//    (8192^2); int4 per channel 0.81x at 10 and 12, 0.80x at 15. From 9 rows.
+int64_t dq_min_rows(const QuantizedWeight& w) {
+  if (!avx2_half_width()) return 9;
+  return w.bits == 4 && w.group_size == 0 ? 16 : 13;
+}
+
+// Up to dq_max_rows it also beats the dense path (dequantised B panels, gemm.cpp's 6 x 16
 // kernel), whose packing (a dequantised row, then a transpose) was 22 % of its samples at
-// M = 64 (perf). Time against the dense path's (section 53): 0.68-0.89x at M = 33-64 (int8
-// and int4, 4096^2 and 11008 x 4096; int4 g128 at 4096 x 12288 0.97x), at 96 int8 g128
-// 0.82x and int4 g128 1.00x, at 128 0.85x (int8) and 0.94x (int4 per channel), at 160
-// 0.93x, at 192 0.98x, at 256 1.16x. Every pair of weight rows reads all of x, so x (as
-// fp32) must stay in the caches: at most kDqMaxX bytes (M = 32 at 28672 k, 3.7 MB, ran
-// 0.80x small_rows_fma's time on the VM's 8 MB of L3).
-constexpr int64_t kDqMaxM = 128;
+// M = 64 on the Zen 1 VM (perf). Time against the dense path's (section 53, 55):
+//  * the Zen 1 VM: 0.68-0.89x at M = 33-64 (int8 and int4, 4096^2 and 11008 x 4096; int4
+//    g128 at 4096 x 12288 0.97x), at 96 int8 g128 0.82x and int4 g128 1.00x, at 128 0.85x
+//    (int8) and 0.94x (int4 per channel), at 160 0.93x, at 192 0.98x, at 256 1.16x.
+//  * the Xeon VM as AVX2: 0.87x at 48 (int8 per channel), 0.84x at 40 (8192^2); at 64
+//    1.04x / 0.97x (4096^2), 1.27x (8192^2), 1.58x (K = 12288); 1.06x at 96, 1.2-1.25x at
+//    128.
+// Every pair of weight rows reads all of x, so x (as fp32) must stay in the caches: at
+// most kDqMaxX bytes (M = 32 at 28672 k, 3.7 MB, ran 0.80x small_rows_fma's time on the
+// Zen 1 VM's 8 MB of L3; M = 16 at 28672 k 0.80x on the Xeon VM).
+constexpr int64_t kDqMaxM = 128;  // the most of any CPU: small_m_max_rows
+int64_t dq_max_rows() { return avx2_half_width() ? kDqMaxM : 48; }
 constexpr int64_t kDqMaxX = int64_t(4) << 20;
 bool dq_applies(const MixedLinearArgs& a) {
   const int64_t m = a.x.rows;
-  return active_isa() == Isa::avx2 && m >= dq_min_rows(a.w) && m <= kDqMaxM &&
+  return active_isa() == Isa::avx2 && m >= dq_min_rows(a.w) && m <= dq_max_rows() &&
          m * a.w.k * int64_t(sizeof(float)) <= kDqMaxX;
 }
 
@@ -1811,7 +1850,7 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
 // and about even for int8 4096^2 at 64 (1.07x, 4 rounds of 0.93-1.66).
 int64_t small_m_max_rows(const MixedLinearArgs& a) {
 #if PG_X86
-  if (dq_applies(a)) return kDqMaxM;
+  if (dq_applies(a)) return dq_max_rows();
 #endif
   if (!has_bf16_x_pairs(a)) return kSmallM;
   if (!small_m_bf16(a)) return kSmallMPairs;
