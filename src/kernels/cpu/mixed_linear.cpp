@@ -69,13 +69,16 @@ bool small_m_bf16(const MixedLinearArgs& a) {
   return has_bf16_x_pairs(a) && a.w.k >= bk && (a.w.group_size == 0 || a.w.group_size % bk == 0);
 }
 // bf16 x on AMX (amx_linear) from this M up: below it the weight dequantisation (per
-// weight, not per row of x) costs more than the AVX-512 FMA path, which is bandwidth-bound
-// up to M ~ 4. Above kAmxMaxM the dense path takes over: its GEMM runs on the tile unit
-// too (gemm.cpp, K % 32 == 0) and reads each row of x once per kc block, where amx_linear
-// reads all of x again for every 32 output channels (bench/CPU_NOTES.md, 21). At M = 3
-// and 4, int4 on amx_linear was measured against the FMA blocks after the rework of
-// section 28: faster at 4096 x 12288, slower at 4096^2, so the bound stays.
-constexpr int64_t kAmxMinM = 5;
+// weight, not per row of x, into a 16-row tile however few rows x has) costs more than the
+// AVX-512 FMA blocks. Above kAmxMaxM the dense path takes over: its GEMM runs on the tile
+// unit too (gemm.cpp, K % 32 == 0) and reads each row of x once per kc block, where
+// amx_linear reads all of x again for every 32 output channels (bench/CPU_NOTES.md, 21).
+// Since the FMA blocks prefetch the next block's rows (section 54), their time over
+// amx_linear's, one process, 6 rounds (section 56): on the 2-core Xeon VM int4 g128 4096^2
+// 0.73 / 0.81 / 0.83 / 1.27x at M = 5 / 6 / 7 / 8, int8 per channel 0.83 / 0.72 / 0.81 /
+// 1.58x; on the H200 host's Xeon (2 threads) int4 0.67 / 0.80 / 0.81 / 1.26x, int8 0.67 at
+// 5, 0.72 at 6 (8192^2), 1.12 at 7, 1.00 at 8. So 5 and 6 rows take the FMA blocks.
+constexpr int64_t kAmxMinM = 7;
 constexpr int64_t kAmxMaxM = 32;
 
 inline float scale_at(const QuantizedWeight& w, int64_t n, int64_t g) {
@@ -1325,7 +1328,7 @@ int64_t nib_max_m(const QuantizedWeight& w) {
   const bool grouped = w.group_size > 0;
   return w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
 }
-// On AMX CPUs, M below kAmxMinM takes the fp32 FMA blocks (small_rows_avx512) instead of
+// On AMX CPUs, M below kAmxMinM (above it amx_linear) takes the fp32 FMA blocks instead of
 // the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 at M = 1. By the
 // timings there, vdpbf16ps does no more multiply-adds per cycle than the FMA units, so the
 // bf16 blocks' extra work (unpacking nibbles; int8 as two nibble dot products) is not paid
