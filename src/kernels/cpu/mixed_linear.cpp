@@ -77,7 +77,9 @@ bool small_m_bf16(const MixedLinearArgs& a) {
 // amx_linear's, one process, 6 rounds (section 56): on the 2-core Xeon VM int4 g128 4096^2
 // 0.73 / 0.81 / 0.83 / 1.27x at M = 5 / 6 / 7 / 8, int8 per channel 0.83 / 0.72 / 0.81 /
 // 1.58x; on the H200 host's Xeon (2 threads) int4 0.67 / 0.80 / 0.81 / 1.26x, int8 0.67 at
-// 5, 0.72 at 6 (8192^2), 1.12 at 7, 1.00 at 8. So 5 and 6 rows take the FMA blocks.
+// 5, 0.72 at 6 (8192^2), 1.12 at 7, 1.00 at 8. So 5 and 6 rows take the FMA blocks. A
+// second reading on that host, this bound against 5: 0.81-1.08x at 5 and 6 rows (a
+// control at 7, the same code in both builds, 0.97x).
 constexpr int64_t kAmxMinM = 7;
 constexpr int64_t kAmxMaxM = 32;
 
@@ -1221,8 +1223,7 @@ int64_t dq_min_rows(const QuantizedWeight& w) {
 // Every pair of weight rows reads all of x, so x (as fp32) must stay in the caches: at
 // most kDqMaxX bytes (M = 32 at 28672 k, 3.7 MB, ran 0.80x small_rows_fma's time on the
 // Zen 1 VM's 8 MB of L3; M = 16 at 28672 k 0.80x on the Xeon VM).
-constexpr int64_t kDqMaxM = 128;  // the most of any CPU: small_m_max_rows
-int64_t dq_max_rows() { return avx2_half_width() ? kDqMaxM : 48; }
+int64_t dq_max_rows() { return avx2_half_width() ? 128 : 48; }
 constexpr int64_t kDqMaxX = int64_t(4) << 20;
 bool dq_applies(const MixedLinearArgs& a) {
   const int64_t m = a.x.rows;
