@@ -22,8 +22,9 @@
 // scratch build of the library that exports the switch under test,
 //   extern "C" void pgx_set_a_mode(int mode);   // read by the code under test per call
 // (the shipped library has none):
-//   g++ -O2 -std=c++17 -DPG_PROBE_PAIRS -Iinclude bench/probes/kernel_gemm.cpp -L$AB -lpgk_a
-//       -Wl,-rpath,$AB -o $AB/gemm_pairs
+//   g++ -O2 -std=c++17 -fopenmp -DPG_PROBE_PAIRS -Iinclude -Ibench/probes
+//       bench/probes/kernel_gemm.cpp -L$AB -lpgk_a -Wl,-rpath,$AB -o $AB/gemm_pairs
+// (-fopenmp for omp_executor.h, the PGX_PAIR_EXEC=omp pairing)
 //   PORTABLE_GEMM_NUM_THREADS=2 [PGX_PAIR_B=2] $AB/gemm_pairs M N K REPS [f32|bf16 [n|t]]
 #include <algorithm>
 #include <chrono>
