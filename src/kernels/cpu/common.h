@@ -38,6 +38,14 @@
 #include <immintrin.h>
 #endif
 
+// For helpers whose loop bounds only become constants in their caller (GCC stops inlining
+// once a caller has several instantiations, and the helper then loops on a runtime count).
+#if defined(__GNUC__)
+#define PG_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define PG_ALWAYS_INLINE inline
+#endif
+
 #if defined(__clang__)
 #define PG_UNROLL _Pragma("unroll")
 #elif defined(__GNUC__)

@@ -1561,8 +1561,10 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
 // output tolerance). Only taken for bf16 x (f16 / f32 x would lose precision).
 
 #if PG_X86
-constexpr int64_t kAmxKc = 256;  // k per dequantised block
-constexpr int64_t kAmxSteps = kAmxKc / 32;
+// k per dequantised block (amx_rows' KC): 256, and for int8 with 17-32 rows of x 128 (the
+// same 128 bytes of each weight row as int4's 256 k; 256 took 1.00-1.14x the time there,
+// bench/CPU_NOTES.md 58).
+constexpr int64_t kAmxKc4 = 256, kAmxKc8 = 128;
 
 struct AmxJob {
   const MixedLinearArgs* args;
@@ -1591,7 +1593,7 @@ PG_TARGET_AMX inline __m512i int4_table(float s_lo, float s_hi) {
 // lookups, a shift and two ORs, where converting through fp32 took fourteen vector
 // operations, most of them on one port.
 template <int NT>
-PG_TARGET_AMX void amx_int4_row(const AmxJob& job, const int64_t* g, int64_t n,
+PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxJob& job, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
   const QuantizedWeight& w = job.args->w;
   const bool gscale = job.scale_in_weight;
@@ -1630,7 +1632,7 @@ PG_TARGET_AMX void amx_int4_row(const AmxJob& job, const int64_t* g, int64_t n,
 
 // int8: 32 k per step through fp32 (a group scale, if any, applied there).
 template <int NT>
-PG_TARGET_AMX void amx_int8_row(const AmxJob& job, const int64_t* g, int64_t n,
+PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxJob& job, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
   const QuantizedWeight& w = job.args->w;
   const bool gscale = job.scale_in_weight;
@@ -1657,26 +1659,27 @@ PG_TARGET_AMX void amx_int8_row(const AmxJob& job, const int64_t* g, int64_t n,
 // channel block's first) is prefetched into L2 on the way: with 32-64 rows read 128-256
 // bytes at a time, the hardware prefetchers alone left the reads latency-bound
 // (bench/CPU_NOTES.md 28).
-template <int NT>
+template <int NT, int64_t KC, typename AfterRow>
 PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int64_t k0,
-                               int64_t kc, uint16_t* abuf) {
+                               int64_t kc, uint16_t* abuf, AfterRow&& after_row) {
   const QuantizedWeight& w = job.args->w;
   // The group of each 32-k step (group scales only), found once per block: per row and
   // step, the integer divisions cost more than the dequantisation (bench/CPU_NOTES.md 28).
-  int64_t g[kAmxSteps];
+  int64_t g[KC / 32];
   if (job.scale_in_weight)
     for (int64_t s = 0; s < kc / 32; ++s) g[s] = (k0 + s * 32) / w.group_size;
   const int half = w.bits == 4;  // bytes = k >> half
   // what to prefetch: the row's next block, else the next channel block's first
   const bool more_k = k0 + kc < job.k;
   const int64_t pf_off = more_k ? (k0 + kc) >> half : 16 * NT * w.row_stride;
-  const int64_t pf_len = std::min(kAmxKc, more_k ? job.k - k0 - kc : job.k) >> half;
+  const int64_t pf_len = std::min(KC, more_k ? job.k - k0 - kc : job.k) >> half;
   for (int r = 0; r < 16 * NT; ++r) {
     const int64_t n = nb + r;
     uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
     if (n >= nend) {
       for (int64_t s = 0; s < kc / 32; ++s)
         _mm512_storeu_si512(dst + s * NT * 512, _mm512_setzero_si512());
+      after_row(r);
       continue;
     }
     const uint8_t* q = static_cast<const uint8_t*>(w.data) + n * w.row_stride;
@@ -1687,6 +1690,7 @@ PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int6
       amx_int4_row<NT>(job, g, n, q, k0, kc, dst);
     else
       amx_int8_row<NT>(job, g, n, q, k0, kc, dst);
+    after_row(r);
   }
 }
 
@@ -1696,45 +1700,75 @@ PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int6
 // B tile serves four products; with 32 rows, 32 channels by 2 x 2. All rows of x (at most
 // kAmxMaxM = 32, so mpad = 16 MT) fit the accumulators: they stay in the tiles for the
 // whole of K.
-template <int MT, int NT>
+template <int MT, int NT, int64_t KC>
 PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* res,
                             int64_t ldr) {
   static_assert(MT * NT == 4, "four accumulator tiles");
   const QuantizedWeight& w = job.args->w;
   const int64_t K = job.k;
   const int64_t bstride = job.mpad * 4;  // bytes per k-pair row of xp
-  uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(6, size_t(kAmxSteps * NT * 512 / 2)));
+  // With 17-32 rows of x (NT = 2) the blocks are pipelined: block i is dequantised into one
+  // of two buffers while the tile steps of block i - 1 are issued from the other, one step
+  // after every few rows, so the tile unit works while the vector units dequantise. Done in
+  // turn, the two added up (timing-only builds that skipped either: 0.24 + 0.74 of the call
+  // at int8 M = 16, 4096^2). On the 2-core Xeon VM (one process, 6 rounds, weights rotated
+  // over 960 MiB) pipelining took 0.73-0.94x the time at 17-32 rows on 10 shapes of int8
+  // and int4; one of them read 1.10x in a build whose loops lay otherwise, 0.94x in two
+  // more (bench/CPU_NOTES.md 58). With up to 16 rows (NT = 4) it was mixed: int8
+  // 0.90-0.95x at K <= 8192 but 1.04-1.21x at K = 11008, int4 0.91-0.97x at K = 4096 but
+  // 1.05-1.07x at 8192^2, so there each block's steps follow its dequantisation.
+  constexpr bool kPipe = NT == 2;
+  constexpr int64_t kBuf = KC / 32 * NT * 512;  // bf16 per buffer
+  uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(6, size_t(kPipe ? kBuf : kBuf / 2)));
   alignas(64) float ctile[4][256];
+  const char* xp = reinterpret_cast<const char*>(job.xp);
+  // One 32-k step of a dequantised block: a (its A rows), b (x's pair rows of that step).
+  const auto step = [&](const uint16_t* a, const char* b) {
+    _tile_loadd(6, b, bstride);
+    _tile_loadd(4, a, 64);
+    _tile_loadd(5, a + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if (NT == 4) {
+      _tile_loadd(4, a + 1024, 64);
+      _tile_loadd(5, a + 1536, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_dpbf16ps(3, 5, 6);
+    } else {
+      _tile_loadd(7, b + 64, bstride);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  };
   for (int64_t nb = n0; nb < n1; nb += 16 * NT) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int64_t k0 = 0; k0 < K; k0 += kAmxKc) {
-      const int64_t kc = std::min(kAmxKc, K - k0);
-      amx_dequant<NT>(job, nb, n1, k0, kc, abuf);
-      // GCC's _tile_loadd has no memory operand: keep the stores above before the loads.
+    const uint16_t* pa = nullptr;  // the block whose steps are pending, and its x
+    const char* pb = nullptr;
+    int64_t psteps = 0;
+    for (int64_t k0 = 0, i = 0; k0 < K; k0 += KC, ++i) {
+      const int64_t kc = std::min(KC, K - k0);
+      uint16_t* cur = abuf + (kPipe ? (i & 1) * kBuf : 0);
+      int64_t done = 0;
+      amx_dequant<NT, KC>(job, nb, n1, k0, kc, cur, [&](int r) {
+        for (; done < psteps && done * 16 * NT < (r + 1) * psteps; ++done)
+          step(pa + done * NT * 512, pb + done * 16 * bstride);
+      });
+      for (; done < psteps; ++done) step(pa + done * NT * 512, pb + done * 16 * bstride);
+      // GCC's _tile_loadd has no memory operand: the block's stores stay before its tile
+      // loads, and those loads before the stores that reuse the buffer.
       __asm__ volatile("" ::: "memory");
-      const char* xb = reinterpret_cast<const char*>(job.xp) + (k0 / 2) * bstride;
-      for (int64_t s = 0; s < kc / 32; ++s) {
-        const uint16_t* a = abuf + s * NT * 512;
-        const char* b = xb + s * 16 * bstride;
-        _tile_loadd(6, b, bstride);
-        _tile_loadd(4, a, 64);
-        _tile_loadd(5, a + 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 5, 6);
-        if (NT == 4) {
-          _tile_loadd(4, a + 1024, 64);
-          _tile_loadd(5, a + 1536, 64);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_dpbf16ps(3, 5, 6);
-        } else {
-          _tile_loadd(7, b + 64, bstride);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+      const char* xb = xp + (k0 / 2) * bstride;
+      if constexpr (kPipe) {
+        pa = cur;
+        pb = xb;
+        psteps = kc / 32;
+      } else {
+        for (int64_t d = 0; d < kc / 32; ++d) step(cur + d * NT * 512, xb + d * 16 * bstride);
+        __asm__ volatile("" ::: "memory");
       }
-      // and the next block's stores into abuf after these loads
-      __asm__ volatile("" ::: "memory");
     }
+    for (int64_t d = 0; d < psteps; ++d) step(pa + d * NT * 512, pb + d * 16 * bstride);
+    __asm__ volatile("" ::: "memory");
     // results out, transposed and scaled
     _tile_stored(0, ctile[0], 64); _tile_stored(1, ctile[1], 64);
     _tile_stored(2, ctile[2], 64); _tile_stored(3, ctile[3], 64);
@@ -1758,10 +1792,11 @@ void amx_task(void* ctx, int64_t b0, int64_t b1) {  // channel blocks [b0, b1)
     float* res = scratch(0, size_t(job.m * cols));
     {
       const AmxScope amx(true);
+      const bool int4 = job.args->w.bits == 4;
       if (job.mpad > 16)
-        amx_rows<2, 2>(job, n0, n1, res, cols);
+        int4 ? amx_rows<2, 2, kAmxKc4>(job, n0, n1, res, cols) : amx_rows<2, 2, kAmxKc8>(job, n0, n1, res, cols);
       else
-        amx_rows<1, 4>(job, n0, n1, res, cols);
+        amx_rows<1, 4, kAmxKc4>(job, n0, n1, res, cols);
     }
     job.ep.store(res, cols, 0, job.m, n0, cols);
   });
