@@ -77,10 +77,10 @@ bool small_m_bf16(const MixedLinearArgs& a) {
 // amx_linear's, one process, 6 rounds (section 56): on the 2-core Xeon VM int4 g128 4096^2
 // 0.73 / 0.81 / 0.83 / 1.27x at M = 5 / 6 / 7 / 8, int8 per channel 0.83 / 0.72 / 0.81 /
 // 1.58x; on the H200 host's Xeon (2 threads) int4 0.67 / 0.80 / 0.81 / 1.26x, int8 0.67 at
-// 5, 0.72 at 6 (8192^2), 1.12 at 7, 1.00 at 8. So 5 and 6 rows take the FMA blocks. A
-// second reading on that host, this bound against 5: 0.81-1.08x at 5 and 6 rows (a
-// control at 7, the same code in both builds, 0.97x).
-constexpr int64_t kAmxMinM = 7;
+// 5, 0.72 at 6 (8192^2), 1.12 at 7, 1.00 at 8. So 5 and 6 rows took the FMA blocks. Since
+// amx_linear pipelines its blocks (section 58) it takes 0.58-0.78x the FMA blocks' time at
+// 5 and 6 rows on the VM (int8 and int4, 4096^2 to 8192^2), and 1.15-1.32x at 3 and 4.
+constexpr int64_t kAmxMinM = 5;
 constexpr int64_t kAmxMaxM = 32;
 
 inline float scale_at(const QuantizedWeight& w, int64_t n, int64_t g) {
@@ -1561,10 +1561,11 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
 // output tolerance). Only taken for bf16 x (f16 / f32 x would lose precision).
 
 #if PG_X86
-// k per dequantised block (amx_rows' KC): 256, and for int8 with 17-32 rows of x 128 (the
-// same 128 bytes of each weight row as int4's 256 k; 256 took 1.00-1.14x the time there,
-// bench/CPU_NOTES.md 58).
-constexpr int64_t kAmxKc4 = 256, kAmxKc8 = 128;
+// k per dequantised block (64 or 128 bytes of each weight row), and the blocks of each row
+// prefetched into L2 ahead of it (amx_dequant, amx_rows; bench/CPU_NOTES.md 58: with blocks
+// of 256 k and one ahead, the weight reads stayed latency-bound).
+constexpr int64_t kAmxKc = 128;
+constexpr int64_t kAmxPfBlocks = 2;
 
 struct AmxJob {
   const MixedLinearArgs* args;
@@ -1655,24 +1656,25 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxJob& job, const int64_
 }
 
 // abuf[kstep][NT][16][32]: rows r < 16 * NT of channels nb + r, k in [k0, k0 + kc);
-// channels at or past nend are zero. Each row's next block (or, after the last, the next
-// channel block's first) is prefetched into L2 on the way: with 32-64 rows read 128-256
-// bytes at a time, the hardware prefetchers alone left the reads latency-bound
-// (bench/CPU_NOTES.md 28).
-template <int NT, int64_t KC, typename AfterRow>
+// channels at or past nend are zero. after_row(r) runs after each row (amx_rows issues the
+// previous block's tile steps there). Each row's next kAmxPfBlocks blocks (or, after the
+// last, the next channel block's first) are prefetched into L2 on the way: with 32-64 rows
+// read 64-128 bytes at a time, the hardware prefetchers alone left the reads latency-bound
+// (bench/CPU_NOTES.md 28, 58).
+template <int NT, typename AfterRow>
 PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int64_t k0,
                                int64_t kc, uint16_t* abuf, AfterRow&& after_row) {
   const QuantizedWeight& w = job.args->w;
   // The group of each 32-k step (group scales only), found once per block: per row and
   // step, the integer divisions cost more than the dequantisation (bench/CPU_NOTES.md 28).
-  int64_t g[KC / 32];
+  int64_t g[kAmxKc / 32];
   if (job.scale_in_weight)
     for (int64_t s = 0; s < kc / 32; ++s) g[s] = (k0 + s * 32) / w.group_size;
   const int half = w.bits == 4;  // bytes = k >> half
   // what to prefetch: the row's next block, else the next channel block's first
   const bool more_k = k0 + kc < job.k;
   const int64_t pf_off = more_k ? (k0 + kc) >> half : 16 * NT * w.row_stride;
-  const int64_t pf_len = std::min(KC, more_k ? job.k - k0 - kc : job.k) >> half;
+  const int64_t pf_len = std::min(kAmxPfBlocks * kAmxKc, more_k ? job.k - k0 - kc : job.k) >> half;
   for (int r = 0; r < 16 * NT; ++r) {
     const int64_t n = nb + r;
     uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
@@ -1700,26 +1702,23 @@ PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int6
 // B tile serves four products; with 32 rows, 32 channels by 2 x 2. All rows of x (at most
 // kAmxMaxM = 32, so mpad = 16 MT) fit the accumulators: they stay in the tiles for the
 // whole of K.
-template <int MT, int NT, int64_t KC>
+template <int MT, int NT>
 PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* res,
                             int64_t ldr) {
   static_assert(MT * NT == 4, "four accumulator tiles");
   const QuantizedWeight& w = job.args->w;
   const int64_t K = job.k;
   const int64_t bstride = job.mpad * 4;  // bytes per k-pair row of xp
-  // With 17-32 rows of x (NT = 2) the blocks are pipelined: block i is dequantised into one
-  // of two buffers while the tile steps of block i - 1 are issued from the other, one step
-  // after every few rows, so the tile unit works while the vector units dequantise. Done in
-  // turn, the two added up (timing-only builds that skipped either: 0.24 + 0.74 of the call
-  // at int8 M = 16, 4096^2). On the 2-core Xeon VM (one process, 6 rounds, weights rotated
-  // over 960 MiB) pipelining took 0.73-0.94x the time at 17-32 rows on 10 shapes of int8
-  // and int4; one of them read 1.10x in a build whose loops lay otherwise, 0.94x in two
-  // more (bench/CPU_NOTES.md 58). With up to 16 rows (NT = 4) it was mixed: int8
-  // 0.90-0.95x at K <= 8192 but 1.04-1.21x at K = 11008, int4 0.91-0.97x at K = 4096 but
-  // 1.05-1.07x at 8192^2, so there each block's steps follow its dequantisation.
-  constexpr bool kPipe = NT == 2;
-  constexpr int64_t kBuf = KC / 32 * NT * 512;  // bf16 per buffer
-  uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(6, size_t(kPipe ? kBuf : kBuf / 2)));
+  // The blocks are pipelined: block i is dequantised into one of two buffers while the
+  // tile steps of block i - 1 are issued from the other, one step after every few rows, so
+  // the tile unit works while the vector units dequantise. Done in turn, the two added up
+  // (timing-only builds that skipped either took 0.24 and 0.74 of the call at int8
+  // M = 16, 4096^2). With blocks of 128 k and two prefetched ahead, on the 2-core Xeon VM
+  // (one process, 5-6 rounds, weights rotated over 960 MiB), against blocks of 256 k done in
+  // turn with one prefetched: 0.52-0.71x the time at 8-16 rows, 0.66-0.80x at 17-32
+  // (bench/CPU_NOTES.md 58).
+  constexpr int64_t kBuf = kAmxKc / 32 * NT * 512;  // bf16 per buffer
+  uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(6, size_t(kBuf)));  // 2 x kBuf bf16
   alignas(64) float ctile[4][256];
   const char* xp = reinterpret_cast<const char*>(job.xp);
   // One 32-k step of a dequantised block: a (its A rows), b (x's pair rows of that step).
@@ -1745,27 +1744,21 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
     const uint16_t* pa = nullptr;  // the block whose steps are pending, and its x
     const char* pb = nullptr;
     int64_t psteps = 0;
-    for (int64_t k0 = 0, i = 0; k0 < K; k0 += KC, ++i) {
-      const int64_t kc = std::min(KC, K - k0);
-      uint16_t* cur = abuf + (kPipe ? (i & 1) * kBuf : 0);
+    for (int64_t k0 = 0, i = 0; k0 < K; k0 += kAmxKc, ++i) {
+      const int64_t kc = std::min(kAmxKc, K - k0);
+      uint16_t* cur = abuf + (i & 1) * kBuf;
       int64_t done = 0;
-      amx_dequant<NT, KC>(job, nb, n1, k0, kc, cur, [&](int r) {
+      amx_dequant<NT>(job, nb, n1, k0, kc, cur, [&](int r) {
         for (; done < psteps && done * 16 * NT < (r + 1) * psteps; ++done)
           step(pa + done * NT * 512, pb + done * 16 * bstride);
       });
       for (; done < psteps; ++done) step(pa + done * NT * 512, pb + done * 16 * bstride);
-      // GCC's _tile_loadd has no memory operand: the block's stores stay before its tile
-      // loads, and those loads before the stores that reuse the buffer.
+      // GCC's _tile_loadd has no memory operand: a block's stores stay before its tile
+      // loads (next iteration), and those loads before the stores that reuse the buffer.
       __asm__ volatile("" ::: "memory");
-      const char* xb = xp + (k0 / 2) * bstride;
-      if constexpr (kPipe) {
-        pa = cur;
-        pb = xb;
-        psteps = kc / 32;
-      } else {
-        for (int64_t d = 0; d < kc / 32; ++d) step(cur + d * NT * 512, xb + d * 16 * bstride);
-        __asm__ volatile("" ::: "memory");
-      }
+      pa = cur;
+      pb = xp + (k0 / 2) * bstride;
+      psteps = kc / 32;
     }
     for (int64_t d = 0; d < psteps; ++d) step(pa + d * NT * 512, pb + d * 16 * bstride);
     __asm__ volatile("" ::: "memory");
@@ -1792,11 +1785,10 @@ void amx_task(void* ctx, int64_t b0, int64_t b1) {  // channel blocks [b0, b1)
     float* res = scratch(0, size_t(job.m * cols));
     {
       const AmxScope amx(true);
-      const bool int4 = job.args->w.bits == 4;
       if (job.mpad > 16)
-        int4 ? amx_rows<2, 2, kAmxKc4>(job, n0, n1, res, cols) : amx_rows<2, 2, kAmxKc8>(job, n0, n1, res, cols);
+        amx_rows<2, 2>(job, n0, n1, res, cols);
       else
-        amx_rows<1, 4, kAmxKc4>(job, n0, n1, res, cols);
+        amx_rows<1, 4>(job, n0, n1, res, cols);
     }
     job.ep.store(res, cols, 0, job.m, n0, cols);
   });
