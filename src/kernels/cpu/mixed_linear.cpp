@@ -1562,8 +1562,8 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
 
 #if PG_X86
 // k per dequantised block (64 or 128 bytes of each weight row), and the blocks of each row
-// prefetched into L2 ahead of it (amx_dequant, amx_rows; bench/CPU_NOTES.md 58: with blocks
-// of 256 k and one ahead, the weight reads stayed latency-bound).
+// prefetched into L2 ahead of it (amx_dequant, amx_rows; bench/CPU_NOTES.md 58: blocks of
+// 256 k, or one block ahead, were slower).
 constexpr int64_t kAmxKc = 128;
 constexpr int64_t kAmxPfBlocks = 2;
 
@@ -1715,8 +1715,8 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
   // (timing-only builds that skipped either took 0.24 and 0.74 of the call at int8
   // M = 16, 4096^2). With blocks of 128 k and two prefetched ahead, on the 2-core Xeon VM
   // (one process, 5-6 rounds, weights rotated over 960 MiB), against blocks of 256 k done in
-  // turn with one prefetched: 0.52-0.71x the time at 8-16 rows, 0.66-0.80x at 17-32
-  // (bench/CPU_NOTES.md 58).
+  // turn with one prefetched: 0.55-0.77x the time at 7-16 rows, 0.67-0.81x at 17-32, on 16
+  // shapes of int8 and int4 (bench/CPU_NOTES.md 58).
   constexpr int64_t kBuf = kAmxKc / 32 * NT * 512;  // bf16 per buffer
   uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(6, size_t(kBuf)));  // 2 x kBuf bf16
   alignas(64) float ctile[4][256];
