@@ -82,6 +82,12 @@ bool small_m_bf16(const MixedLinearArgs& a) {
 // 5 and 6 rows on the VM (int8 and int4, 4096^2 to 8192^2), and 1.15-1.32x at 3 and 4.
 constexpr int64_t kAmxMinM = 5;
 constexpr int64_t kAmxMaxM = 32;
+// Up to this M, amx_linear in even chunks of at most kAmxMaxM rows (amx_linear_chunks), each
+// dequantising the weight again, rather than the dense path. On the 2-core Xeon VM (one
+// process, 4 rounds; bench/CPU_NOTES.md 59), against the dense path: M = 33 / 40 / 48 / 56
+// 0.79 / 0.88 / 0.92 / 0.69x; M = 64 0.70-0.98x on four shapes, 1.08x on int4 g128 4096^2;
+// M = 96 0.95x, M = 128 1.07-1.25x.
+constexpr int64_t kAmxChunkMaxM = 64;
 
 inline float scale_at(const QuantizedWeight& w, int64_t n, int64_t g) {
   return load_f32(w.scales, n * w.scales_row_stride + g, w.scales_dtype);
@@ -1869,6 +1875,26 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
     amx_task(&job, 0, blocks);
   return !job.failed.load();
 }
+
+// amx_linear over chunks of at most kAmxMaxM rows of x, as even as possible (33 rows go as
+// 17 + 16): each chunk dequantises the weight again.
+bool amx_linear_chunks(const MixedLinearArgs& args, const Executor& exec) {
+  const int64_t M = args.x.rows;
+  const int64_t chunks = (M + kAmxMaxM - 1) / kAmxMaxM;
+  const int64_t xs = args.x.row_stride * int64_t(dtype_size(args.x.dtype));
+  const int64_t ys = args.y.row_stride * int64_t(dtype_size(args.y.dtype));
+  for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+    const int64_t mc = (M - m0 + (chunks - c) - 1) / (chunks - c);
+    MixedLinearArgs sub = args;
+    sub.x.data = static_cast<const char*>(args.x.data) + m0 * xs;
+    sub.x.rows = mc;
+    sub.y.data = static_cast<char*>(args.y.data) + m0 * ys;
+    sub.y.rows = mc;
+    if (!amx_linear(sub, exec)) return false;
+    m0 += mc;
+  }
+  return true;
+}
 #endif
 
 // Rows of x up to which mixed_linear takes the small-M path; above, the dense path (AMX
@@ -1903,8 +1929,8 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
   try {
     const bool pairs = has_bf16_x_pairs(args);
 #if PG_X86
-    if (K > 0 && M >= kAmxMinM && M <= kAmxMaxM && amx_usable(args)) {
-      ok = amx_linear(args, exec);
+    if (K > 0 && M >= kAmxMinM && M <= kAmxChunkMaxM && amx_usable(args)) {
+      ok = amx_linear_chunks(args, exec);
     } else
 #endif
     if (M <= small_m_max_rows(args) || K == 0) {
