@@ -14,7 +14,7 @@
 //    - more rows: small_rows_tile, compute-bound, a 4 x 4 register tile over weights
 //      unpacked once per block of 4 rows into an L1 buffer.
 //    Otherwise (f32 / f16 x, no AVX512-BF16; on AMX CPUs at M < kAmxMinM, see fma_first,
-//    and from kAmxMinM to kAmxMaxM amx_linear) each weight row is streamed once per chunk of
+//    and from kAmxMinM to kAmxChunkMaxM amx_linear) each weight row is streamed once per chunk of
 //    up to 8 rows of x (later chunks hit L1), dequantised in registers and FMA'd against
 //    every row of the chunk (small_block_avx512; on AVX2-only CPUs small_block_avx2, up to
 //    4 rows, and for int4 at M = 1 small_block_avx2_i4). Group scales are applied per
@@ -70,9 +70,10 @@ bool small_m_bf16(const MixedLinearArgs& a) {
 }
 // bf16 x on AMX (amx_linear) from this M up: below it the weight dequantisation (per
 // weight, not per row of x, into a 16-row tile however few rows x has) costs more than the
-// AVX-512 FMA blocks. Above kAmxMaxM the dense path takes over: its GEMM runs on the tile
-// unit too (gemm.cpp, K % 32 == 0) and reads each row of x once per kc block, where
-// amx_linear reads all of x again for every 32 output channels (bench/CPU_NOTES.md, 21).
+// AVX-512 FMA blocks. One amx_linear pass holds up to kAmxMaxM rows; up to kAmxChunkMaxM it
+// runs in chunks, above that the dense path takes over: its GEMM runs on the tile unit too
+// (gemm.cpp, K % 32 == 0) and dequantises each weight once, where each chunk of
+// amx_linear does it again (bench/CPU_NOTES.md 21, 59).
 // Since the FMA blocks prefetch the next block's rows (section 54), their time over
 // amx_linear's, one process, 6 rounds (section 56): on the 2-core Xeon VM int4 g128 4096^2
 // 0.73 / 0.81 / 0.83 / 1.27x at M = 5 / 6 / 7 / 8, int8 per channel 0.83 / 0.72 / 0.81 /
@@ -1898,7 +1899,7 @@ bool amx_linear_chunks(const MixedLinearArgs& args, const Executor& exec) {
 #endif
 
 // Rows of x up to which mixed_linear takes the small-M path; above, the dense path (AMX
-// CPUs run amx_linear for kAmxMinM..kAmxMaxM rows before either). On the Zen 5 VM of
+// CPUs run amx_linear for kAmxMinM..kAmxChunkMaxM rows before either). On the Zen 5 VM of
 // bench/CPU_NOTES.md 38 (6 alternating rounds, median of the per-round ratios), the tile
 // path against the dense one: group scales (g128, int4 and int8, 8192^2 and 4096 x 12288)
 // 0.73-0.85x the time at M = 24 and 0.87-0.96x at 32 (section 19 had found the opposite,
