@@ -44,8 +44,8 @@ def met(cells: list[str]) -> bool:
 # new cuts, and 3d0b749 before its passes of 1024 k), the AVX2 quick runs (a8ef235 with the
 # prefetch at every M, c4397dc with the int4 M = 1 offset block, 0ff38c2 with the AVX2 packers,
 # c5ab17b before them, 201cf04 earlier, all with dense rows; 0e42798 without), and the 2-core
-# Xeon VM with AMX (the main table 938b133's with amx_linear's blocks pipelined; a4d1860 before it,
-# both in a fast phase; 9ef69af with M = 5, 6 on the FMA blocks
+# Xeon VM with AMX (the main table b28457b's with 33-64 rows on amx_linear in chunks; 938b133 with
+# amx_linear's blocks pipelined; a4d1860 before it; all three in a fast phase; 9ef69af with M = 5, 6 on the FMA blocks
 # and b94b994 with their new prefetch, both on a model 207 VM in a slow phase;
 # 76e2888 with int4 M = 3 on the nibble block, the main table before a4d1860's; 136e673 with A packed once a call
 # on AMX; 2f51938 before it with weights rotated over twice its L3; rot128 over 128 MiB), and the
@@ -56,7 +56,7 @@ ZEN5_RUNS = ["cpu_bench_zen5", "cpu_bench_zen5_ee8f0a3", "cpu_bench_zen5_3f7c079
              "cpu_bench_zen5_3d0b749"]
 AVX2_FULL_RUNS = ["cpu_bench_avx2", "cpu_bench_avx2_c4397dc", "cpu_bench_avx2_0ff38c2", "cpu_bench_avx2_c5ab17b",
                   "cpu_bench_avx2_201cf04"]
-XEON_VM_RUNS = ["cpu_bench_xeon_vm", "cpu_bench_xeon_vm_a4d1860", "cpu_bench_xeon_vm_76e2888", "cpu_bench_xeon_vm_9ef69af", "cpu_bench_xeon_vm_b94b994", "cpu_bench_xeon_vm_136e673",
+XEON_VM_RUNS = ["cpu_bench_xeon_vm", "cpu_bench_xeon_vm_938b133", "cpu_bench_xeon_vm_a4d1860", "cpu_bench_xeon_vm_76e2888", "cpu_bench_xeon_vm_9ef69af", "cpu_bench_xeon_vm_b94b994", "cpu_bench_xeon_vm_136e673",
                 "cpu_bench_xeon_vm_2f51938", "cpu_bench_xeon_vm_rot128"]
 ZEN1_RUNS = ["cpu_bench_zen1", "cpu_bench_zen1_4fa091a", "cpu_bench_zen1_2b3e7a6", "cpu_bench_zen1_b916631"]
 CPU_RUNS = ["cpu_bench", "cpu_bench_8463bc3", "cpu_bench_amx", "cpu_bench_amx_run44e", *ZEN5_RUNS, *AVX2_FULL_RUNS,
