@@ -1593,6 +1593,17 @@ PG_TARGET_AMX inline __m512i int4_table(float s_lo, float s_hi) {
                                       _mm512_mul_ps(vals, _mm512_set1_ps(s_lo)));
 }
 
+// The group scales as the row helpers read them, copied out of the job into locals once
+// per block: the vector stores into the buffer may alias anything, so fields read through
+// the job were loaded again after each store.
+struct AmxScales {
+  const void* data;
+  int64_t row_stride;
+  DType dtype;
+  bool grouped;  // job.scale_in_weight
+  float at(int64_t n, int64_t g) const { return load_f32(data, n * row_stride + g, dtype); }
+};
+
 // int4: one row's k in [k0, k0 + kc) turned into bf16 through a 32-word table (vpermw):
 // words 0-15 for a 64-k block's first 32 k, words 16-31 for its last 32 (two group scales
 // when the groups are 32 wide). A 64-k block's even k go to one tile step and its odd k
@@ -1601,10 +1612,9 @@ PG_TARGET_AMX inline __m512i int4_table(float s_lo, float s_hi) {
 // lookups, a shift and two ORs, where converting through fp32 took fourteen vector
 // operations, most of them on one port.
 template <int NT>
-PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxJob& job, const int64_t* g, int64_t n,
+PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxScales& sc, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
-  const QuantizedWeight& w = job.args->w;
-  const bool gscale = job.scale_in_weight;
+  const bool gscale = sc.grouped;
   const __m512i sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1);
   const __m512i c0f = _mm512_set1_epi16(0x0F);
   __m512i lut = int4_table(1.f, 1.f);
@@ -1614,7 +1624,7 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxJob& job, const int64_
     if (gscale && (g[s] != glo || g[s + 1] != ghi)) {
       glo = g[s];
       ghi = g[s + 1];
-      lut = int4_table(scale_at(w, n, glo), scale_at(w, n, ghi));
+      lut = int4_table(sc.at(n, glo), sc.at(n, ghi));
     }
     const __m512i wv = _mm512_cvtepu8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (k0 + s * 32) / 2)));
@@ -1627,8 +1637,8 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxJob& job, const int64_
   }
   if (s * 32 < kc) {
     if (gscale) {
-      const float sc = scale_at(w, n, g[s]);
-      lut = int4_table(sc, sc);
+      const float v = sc.at(n, g[s]);
+      lut = int4_table(v, v);
     }
     const __m512i wv = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k0 + s * 32) / 2))));
@@ -1640,16 +1650,15 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxJob& job, const int64_
 
 // int8: 32 k per step through fp32 (a group scale, if any, applied there).
 template <int NT>
-PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxJob& job, const int64_t* g, int64_t n,
+PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxScales& sc, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
-  const QuantizedWeight& w = job.args->w;
-  const bool gscale = job.scale_in_weight;
+  const bool gscale = sc.grouped;
   __m512 sv = _mm512_set1_ps(1.f);
   int64_t gcur = -1;
   for (int64_t s = 0; s < kc / 32; ++s) {
     if (gscale && g[s] != gcur) {
       gcur = g[s];
-      sv = _mm512_set1_ps(scale_at(w, n, gcur));
+      sv = _mm512_set1_ps(sc.at(n, gcur));
     }
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 + s * 32));
     __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
@@ -1668,19 +1677,26 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxJob& job, const int64_
 // last, the next channel block's first) are prefetched into L2 on the way: with 32-64 rows
 // read 64-128 bytes at a time, the hardware prefetchers alone left the reads latency-bound
 // (bench/CPU_NOTES.md 28, 58).
-template <int NT, typename AfterRow>
+// FULL: kc == kAmxKc, a constant, so the row helpers' loops unroll (a block of fewer k,
+// at the end of a row, takes FULL = false).
+template <int NT, bool FULL, typename AfterRow>
 PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int64_t k0,
-                               int64_t kc, uint16_t* abuf, AfterRow&& after_row) {
+                               int64_t kc_any, uint16_t* abuf, AfterRow&& after_row) {
   const QuantizedWeight& w = job.args->w;
+  const int64_t kc = FULL ? kAmxKc : kc_any;
+  const AmxScales sc{w.scales, w.scales_row_stride, w.scales_dtype, job.scale_in_weight};
+  const uint8_t* const data = static_cast<const uint8_t*>(w.data);
+  const int64_t row_stride = w.row_stride;
+  const bool int4 = w.bits == 4;
   // The group of each 32-k step (group scales only), found once per block: per row and
   // step, the integer divisions cost more than the dequantisation (bench/CPU_NOTES.md 28).
   int64_t g[kAmxKc / 32];
   if (job.scale_in_weight)
     for (int64_t s = 0; s < kc / 32; ++s) g[s] = (k0 + s * 32) / w.group_size;
-  const int half = w.bits == 4;  // bytes = k >> half
+  const int half = int4;  // bytes = k >> half
   // what to prefetch: the row's next block, else the next channel block's first
   const bool more_k = k0 + kc < job.k;
-  const int64_t pf_off = more_k ? (k0 + kc) >> half : 16 * NT * w.row_stride;
+  const int64_t pf_off = more_k ? (k0 + kc) >> half : 16 * NT * row_stride;
   const int64_t pf_len = std::min(kAmxPfBlocks * kAmxKc, more_k ? job.k - k0 - kc : job.k) >> half;
   for (int r = 0; r < 16 * NT; ++r) {
     const int64_t n = nb + r;
@@ -1691,14 +1707,14 @@ PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int6
       after_row(r);
       continue;
     }
-    const uint8_t* q = static_cast<const uint8_t*>(w.data) + n * w.row_stride;
+    const uint8_t* q = data + n * row_stride;
     if (more_k || n + 16 * NT < nend)
       for (int64_t o = 0; o < pf_len; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(q + pf_off + o), _MM_HINT_T2);
-    if (w.bits == 4)
-      amx_int4_row<NT>(job, g, n, q, k0, kc, dst);
+    if (int4)
+      amx_int4_row<NT>(sc, g, n, q, k0, kc, dst);
     else
-      amx_int8_row<NT>(job, g, n, q, k0, kc, dst);
+      amx_int8_row<NT>(sc, g, n, q, k0, kc, dst);
     after_row(r);
   }
 }
@@ -1755,10 +1771,14 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
       const int64_t kc = std::min(kAmxKc, K - k0);
       uint16_t* cur = abuf + (i & 1) * kBuf;
       int64_t done = 0;
-      amx_dequant<NT>(job, nb, n1, k0, kc, cur, [&](int r) {
+      const auto after_row = [&](int r) {
         for (; done < psteps && done * 16 * NT < (r + 1) * psteps; ++done)
           step(pa + done * NT * 512, pb + done * 16 * bstride);
-      });
+      };
+      if (kc == kAmxKc)
+        amx_dequant<NT, true>(job, nb, n1, k0, kc, cur, after_row);
+      else
+        amx_dequant<NT, false>(job, nb, n1, k0, kc, cur, after_row);
       for (; done < psteps; ++done) step(pa + done * NT * 512, pb + done * 16 * bstride);
       // GCC's _tile_loadd has no memory operand: a block's stores stay before its tile
       // loads (next iteration), and those loads before the stores that reuse the buffer.
@@ -1769,17 +1789,29 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
     }
     for (int64_t d = 0; d < psteps; ++d) step(pa + d * NT * 512, pb + d * 16 * bstride);
     __asm__ volatile("" ::: "memory");
-    // results out, transposed and scaled
+    // Results out: each tile (16 channels x 16 rows of x) transposed in registers, scaled
+    // per channel, and stored as 16-channel pieces of rows of res. Written one float at a
+    // time, this took a quarter of the call at K = 2048 (16 rows 4 KB apart share an L1
+    // set; bench/CPU_NOTES.md 60).
     _tile_stored(0, ctile[0], 64); _tile_stored(1, ctile[1], 64);
     _tile_stored(2, ctile[2], 64); _tile_stored(3, ctile[3], 64);
     for (int t = 0; t < 4; ++t) {
       const int64_t nbase = nb + (t % NT) * 16;
       const int64_t mbase = (t / NT) * 16;
-      for (int i = 0; i < 16 && nbase + i < n1; ++i) {
-        const float sc = job.scale_in_weight ? 1.f : scale_at(w, nbase + i, 0);
-        for (int j = 0; j < 16 && mbase + j < job.m; ++j)
-          res[(mbase + j) * ldr + (nbase + i - n0)] = ctile[t][i * 16 + j] * sc;
-      }
+      if (nbase >= n1 || mbase >= job.m) continue;
+      const int nc = int(std::min<int64_t>(16, n1 - nbase));
+      const int mc = int(std::min<int64_t>(16, job.m - mbase));
+      alignas(64) float sc[16];
+      for (int i = 0; i < 16; ++i)
+        sc[i] = job.scale_in_weight || i >= nc ? 1.f : scale_at(w, nbase + i, 0);
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_load_ps(ctile[t] + i * 16);
+      transpose16_avx512(v);  // v[j]: row j of x, 16 channels
+      const __m512 scv = _mm512_load_ps(sc);
+      const __mmask16 keep = __mmask16((1u << nc) - 1);
+      float* out = res + mbase * ldr + (nbase - n0);
+      for (int j = 0; j < mc; ++j)
+        _mm512_mask_storeu_ps(out + j * ldr, keep, _mm512_mul_ps(v[j], scv));
     }
   }
 }
@@ -1789,15 +1821,16 @@ void amx_task(void* ctx, int64_t b0, int64_t b1) {  // channel blocks [b0, b1)
   guarded(job.failed, [&] {
     const int64_t n0 = b0 * job.nbk, n1 = std::min(b1 * job.nbk, job.n);
     const int64_t cols = n1 - n0;
-    float* res = scratch(0, size_t(job.m * cols));
+    const int64_t ldr = (cols + 15) / 16 * 16 + 16;
+    float* res = scratch(0, size_t(job.m * ldr));
     {
       const AmxScope amx(true);
       if (job.mpad > 16)
-        amx_rows<2, 2>(job, n0, n1, res, cols);
+        amx_rows<2, 2>(job, n0, n1, res, ldr);
       else
-        amx_rows<1, 4>(job, n0, n1, res, cols);
+        amx_rows<1, 4>(job, n0, n1, res, ldr);
     }
-    job.ep.store(res, cols, 0, job.m, n0, cols);
+    job.ep.store(res, ldr, 0, job.m, n0, cols);
   });
 }
 
@@ -1814,10 +1847,11 @@ struct XPackJob {
   uint16_t* xp;
   int64_t mpad, m;
   bool int4;
+  bool vec;  // contiguous rows of x: xpack_vec
 };
 
-void xpack_task(void* ctx, int64_t p0, int64_t p1) {  // k-pairs [p0, p1)
-  const XPackJob& j = *static_cast<const XPackJob*>(ctx);
+// k-pairs [p0, p1), one value at a time (x with any strides).
+void xpack_pairs(const XPackJob& j, int64_t p0, int64_t p1) {
   const ConstMatrix& x = j.args->x;
   const uint16_t* xs = static_cast<const uint16_t*>(x.data);
   for (int64_t p = p0; p < p1; ++p) {
@@ -1833,6 +1867,61 @@ void xpack_task(void* ctx, int64_t p0, int64_t p1) {  // k-pairs [p0, p1)
     }
     for (int64_t m = j.m; m < j.mpad; ++m) row[2 * m] = row[2 * m + 1] = 0;
   }
+}
+
+// 64-k blocks [b0, b1) of contiguous rows of x. Each row's 64 k are loaded as two vectors
+// of 16 pairs (int4: first put in int4_k_at's order, its even k then its odd k, by two
+// vpermt2w), then 16 rows x 16 pairs are transposed in registers, a pair being a 32-bit
+// lane. A trailing 32 k (K % 64 == 32) go as one vector. Rows past m are zero. One value
+// at a time (xpack_pairs) this took 5 % of the call at 16 rows, 4096^2, on one thread
+// while the other waited (bench/CPU_NOTES.md 60).
+PG_TARGET_AVX512 void xpack_vec(const XPackJob& j, int64_t b0, int64_t b1) {
+  const ConstMatrix& x = j.args->x;
+  const uint16_t* xs = static_cast<const uint16_t*>(x.data);
+  const int64_t K = j.args->w.k;
+  alignas(64) uint16_t ie[32], io[32], ih[32];
+  for (int i = 0; i < 32; ++i) {
+    ie[i] = uint16_t(2 * i);
+    io[i] = uint16_t(2 * i + 1);
+    ih[i] = uint16_t(i < 16 ? 2 * i : 2 * (i - 16) + 1);
+  }
+  const __m512i even = _mm512_load_si512(ie), odd = _mm512_load_si512(io);
+  const __m512i half = _mm512_load_si512(ih);
+  const int64_t ld = j.mpad * 2;  // uint16 per pair row of xp
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t k0 = b * 64;
+    const bool full = k0 + 64 <= K;
+    for (int64_t m0 = 0; m0 < j.mpad; m0 += 16) {
+      __m512 lo[16], hi[16];
+      for (int i = 0; i < 16; ++i) {
+        lo[i] = hi[i] = _mm512_setzero_ps();
+        if (m0 + i >= j.m) continue;
+        const uint16_t* row = xs + (m0 + i) * x.row_stride + k0;
+        const __m512i a = _mm512_loadu_si512(row);
+        if (full) {
+          const __m512i c = _mm512_loadu_si512(row + 32);
+          lo[i] = _mm512_castsi512_ps(j.int4 ? _mm512_permutex2var_epi16(a, even, c) : a);
+          hi[i] = _mm512_castsi512_ps(j.int4 ? _mm512_permutex2var_epi16(a, odd, c) : c);
+        } else {
+          lo[i] = _mm512_castsi512_ps(j.int4 ? _mm512_permutexvar_epi16(half, a) : a);
+        }
+      }
+      uint16_t* dst = j.xp + (k0 / 2) * ld + m0 * 2;
+      transpose16_avx512(lo);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_ps(dst + p * ld, lo[p]);
+      if (!full) continue;
+      transpose16_avx512(hi);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_ps(dst + (16 + p) * ld, hi[p]);
+    }
+  }
+}
+
+void xpack_task(void* ctx, int64_t u0, int64_t u1) {  // 64-k blocks (vec), else k-pairs
+  const XPackJob& j = *static_cast<const XPackJob*>(ctx);
+  if (j.vec)
+    xpack_vec(j, u0, u1);
+  else
+    xpack_pairs(j, u0, u1);
 }
 
 bool amx_usable(const MixedLinearArgs& args) {
@@ -1860,12 +1949,13 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
     job.ep.bias = b;
   }
   uint16_t* xp = reinterpret_cast<uint16_t*>(scratch(2, size_t(K / 2 * job.mpad)));
-  XPackJob pj{&args, xp, job.mpad, M, args.w.bits == 4};
+  XPackJob pj{&args, xp, job.mpad, M, args.w.bits == 4, args.x.col_stride == 1};
+  const int64_t units = pj.vec ? (K + 63) / 64 : K / 2;
   const int64_t threads = executor_threads(exec);
   if (threads > 1 && M * K >= (1 << 18))
-    exec.parallel_for(exec.self, 0, K / 2, (K / 2 + threads - 1) / threads, xpack_task, &pj);
+    exec.parallel_for(exec.self, 0, units, (units + threads - 1) / threads, xpack_task, &pj);
   else
-    xpack_task(&pj, 0, K / 2);
+    xpack_task(&pj, 0, units);
   job.xp = xp;
   // Threads take whole channel blocks: a range cut inside a block would leave the block
   // partly zero-filled on both sides.

@@ -1,0 +1,136 @@
+// What one row-block of amx_linear's int4 / int8 dequantisation costs on one core, with the
+// weights in L1 or L2 (no memory reads): the loop of amx_int4_row / amx_int8_row
+// (src/kernels/cpu/mixed_linear.cpp), copied, over 64 weight rows x K, into the same
+// [kstep][4][16][32] bf16 buffer, with variants that drop one part each (timing only).
+//
+//   g++ -O3 -std=c++17 -march=sapphirerapids bench/probes/cpu_amx_dequant_probe.cpp -o probe
+//   ./probe [K]        (K = 2048: 64 KB of int4 rows, in L2)
+//
+// Prints ns per row-block of 128 k and weights per ns, fastest of 15 repetitions.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kRows = 64, kKc = 128, kNT = 4;
+
+inline __m512i int4_table(float s_lo, float s_hi) {
+  const __m512 vals = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(vals, _mm512_set1_ps(s_hi)),
+                                      _mm512_mul_ps(vals, _mm512_set1_ps(s_lo)));
+}
+
+enum Var { kShipped, kNoTable, kNoStore, kNoPrefetch, kSameRow, kNoPerm };
+
+template <int V>
+__attribute__((noinline)) __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc,
+                                            int64_t k0, int64_t K, uint16_t* abuf) {
+  const __m512i sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1);
+  const __m512i c0f = _mm512_set1_epi16(0x0F);
+  __m512i sink = _mm512_setzero_si512();
+  const bool more_k = k0 + kKc < K;
+  for (int r = 0; r < kRows; ++r) {
+    const uint8_t* q = w + (V == kSameRow ? 0 : r) * stride;
+    uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
+    if (V != kNoPrefetch && more_k)
+      for (int64_t o = 0; o < 128; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(q + (k0 + kKc) / 2 + o), _MM_HINT_T2);
+    __m512i lut = int4_table(1.f, 1.f);
+    if (V != kNoTable) lut = int4_table(sc[r * (K / 128) + k0 / 128], sc[r * (K / 128) + k0 / 128]);
+    for (int s = 0; s < kKc / 32; s += 2) {
+      const __m512i wv = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (k0 + s * 32) / 2)));
+      __m512i lo, hi;
+      if (V == kNoPerm) {
+        lo = _mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA);
+        hi = _mm512_or_si512(_mm512_srli_epi16(wv, 4), sel);
+      } else {
+        lo = _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA), lut);
+        hi = _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(wv, 4), sel), lut);
+      }
+      if (V == kNoStore) {
+        sink = _mm512_xor_si512(sink, _mm512_xor_si512(lo, hi));
+      } else {
+        _mm512_storeu_si512(dst + s * kNT * 512, lo);
+        _mm512_storeu_si512(dst + (s + 1) * kNT * 512, hi);
+      }
+    }
+  }
+  return sink;
+}
+
+template <int V>
+__attribute__((noinline)) __m512i int8_block(const uint8_t* w, int64_t stride, const float*,
+                                            int64_t k0, int64_t K, uint16_t* abuf) {
+  __m512i sink = _mm512_setzero_si512();
+  const bool more_k = k0 + kKc < K;
+  for (int r = 0; r < kRows; ++r) {
+    const uint8_t* q = w + (V == kSameRow ? 0 : r) * stride;
+    uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
+    if (V != kNoPrefetch && more_k)
+      for (int64_t o = 0; o < 256; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(q + k0 + kKc + o), _MM_HINT_T2);
+    for (int s = 0; s < kKc / 32; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 + s * 32));
+      const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+      const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+      const __m512i o = (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+      if (V == kNoStore)
+        sink = _mm512_xor_si512(sink, o);
+      else
+        _mm512_storeu_si512(dst + s * kNT * 512, o);
+    }
+  }
+  return sink;
+}
+
+using BlockFn = __m512i (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, uint16_t*);
+
+void run(const char* name, BlockFn fn, const uint8_t* w, int64_t stride, const float* sc,
+         int64_t K, uint16_t* abuf) {
+  double best = 1e30;
+  __m512i sink = _mm512_setzero_si512();
+  for (int rep = 0; rep < 15; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int it = 0; it < 20; ++it)
+      for (int64_t k0 = 0, i = 0; k0 < K; k0 += kKc, ++i)
+        sink = _mm512_xor_si512(sink, fn(w, stride, sc, k0, K, abuf + (i & 1) * 8192));
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+    best = std::min(best, ns / (20.0 * (K / kKc) * kRows));
+  }
+  alignas(64) int32_t out[16];
+  _mm512_store_si512(out, sink);
+  std::printf("%-28s %6.2f ns per row-block, %5.2f weights/ns%s\n", name, best, kKc / best,
+              out[0] == 12345 ? " " : "");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t K = argc > 1 ? std::atoll(argv[1]) : 2048;
+  std::vector<uint8_t> w4(kRows * K / 2), w8(kRows * K);
+  for (size_t i = 0; i < w4.size(); ++i) w4[i] = uint8_t(i * 2654435761u >> 13);
+  for (size_t i = 0; i < w8.size(); ++i) w8[i] = uint8_t(i * 2246822519u >> 11);
+  std::vector<float> sc(kRows * (K / 128), 0.01f);
+  uint16_t* abuf = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * 8192 * 2));
+  std::printf("K = %lld, %d rows: int4 %lld KB, int8 %lld KB\n", (long long)K, kRows,
+              (long long)(w4.size() >> 10), (long long)(w8.size() >> 10));
+  run("int4 shipped", int4_block<kShipped>, w4.data(), K / 2, sc.data(), K, abuf);
+  run("int4 no table rebuild", int4_block<kNoTable>, w4.data(), K / 2, sc.data(), K, abuf);
+  run("int4 no stores", int4_block<kNoStore>, w4.data(), K / 2, sc.data(), K, abuf);
+  run("int4 no prefetch", int4_block<kNoPrefetch>, w4.data(), K / 2, sc.data(), K, abuf);
+  run("int4 one row (L1)", int4_block<kSameRow>, w4.data(), K / 2, sc.data(), K, abuf);
+  run("int4 no vpermw", int4_block<kNoPerm>, w4.data(), K / 2, sc.data(), K, abuf);
+  run("int8 shipped", int8_block<kShipped>, w8.data(), K, sc.data(), K, abuf);
+  run("int8 no stores", int8_block<kNoStore>, w8.data(), K, sc.data(), K, abuf);
+  run("int8 no prefetch", int8_block<kNoPrefetch>, w8.data(), K, sc.data(), K, abuf);
+  run("int8 one row (L1)", int8_block<kSameRow>, w8.data(), K, sc.data(), K, abuf);
+  std::free(abuf);
+}
