@@ -1671,51 +1671,57 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxScales& sc, const int6
   }
 }
 
-// abuf[kstep][NT][16][32]: rows r < 16 * NT of channels nb + r, k in [k0, k0 + kc);
-// channels at or past nend are zero. after_row(r) runs after each row (amx_rows issues the
-// previous block's tile steps there). Each row's next kAmxPfBlocks blocks (or, after the
-// last, the next channel block's first) are prefetched into L2 on the way: with 32-64 rows
-// read 64-128 bytes at a time, the hardware prefetchers alone left the reads latency-bound
-// (bench/CPU_NOTES.md 28, 58).
-// FULL: kc == kAmxKc, a constant, so the row helpers' loops unroll (a block of fewer k,
-// at the end of a row, takes FULL = false).
-template <int NT, bool FULL, typename AfterRow>
-PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int64_t k0,
-                               int64_t kc_any, uint16_t* abuf, AfterRow&& after_row) {
-  const QuantizedWeight& w = job.args->w;
-  const int64_t kc = FULL ? kAmxKc : kc_any;
-  const AmxScales sc{w.scales, w.scales_row_stride, w.scales_dtype, job.scale_in_weight};
-  const uint8_t* const data = static_cast<const uint8_t*>(w.data);
-  const int64_t row_stride = w.row_stride;
-  const bool int4 = w.bits == 4;
-  // The group of each 32-k step (group scales only), found once per block: per row and
-  // step, the integer divisions cost more than the dequantisation (bench/CPU_NOTES.md 28).
+// One block of k of a channel block, as amx_dequant_rows reads it.
+struct AmxBlock {
+  const uint8_t* data;  // the weight rows
+  int64_t row_stride;
+  AmxScales sc;
+  int64_t g[kAmxKc / 32];  // the group of each 32-k step (group scales only)
+  int64_t nb, nend;        // the channel block's first channel; channels from nend are zero
+  int64_t k0, kc;
+  int64_t pf_off, pf_len;  // the prefetch of each row: bytes from the row's start, length
+  bool pf_last;            // the last block: rows from nend - 16 * NT prefetch nothing
+  uint16_t* abuf;
+};
+
+// abuf[kstep][NT][16][32]: rows r in [r0, r1) of the block's 16 * NT, channels nb + r, k
+// in [k0, k0 + kc); channels at or past nend are zero. amx_rows calls it for a quarter of
+// the rows at a time, issuing the previous block's tile steps in between. Each row's next
+// kAmxPfBlocks blocks (or, after the last, the next channel block's first) are prefetched
+// into L2 on the way: with 32-64 rows read 64-128 bytes at a time, the hardware prefetchers
+// alone left the reads latency-bound (bench/CPU_NOTES.md 28, 58). A function of its own,
+// one per bit width and for full blocks (FULL: kc == kAmxKc, so the row helpers' loops
+// unroll), with what it reads copied into locals: inlined into amx_rows with both widths,
+// its registers spilled (bench/CPU_NOTES.md 60).
+template <int NT, bool INT4, bool FULL>
+PG_TARGET_AMX __attribute__((noinline)) void amx_dequant_rows(const AmxBlock& blk, int r0,
+                                                               int r1) {
+  const uint8_t* const data = blk.data;
+  const int64_t row_stride = blk.row_stride;
+  const AmxScales sc = blk.sc;
+  const int64_t nb = blk.nb, nend = blk.nend, k0 = blk.k0;
+  const int64_t kc = FULL ? kAmxKc : blk.kc;
+  const int64_t pf_off = blk.pf_off, pf_len = blk.pf_len;
+  const bool pf_last = blk.pf_last;
+  uint16_t* const abuf = blk.abuf;
   int64_t g[kAmxKc / 32];
-  if (job.scale_in_weight)
-    for (int64_t s = 0; s < kc / 32; ++s) g[s] = (k0 + s * 32) / w.group_size;
-  const int half = int4;  // bytes = k >> half
-  // what to prefetch: the row's next block, else the next channel block's first
-  const bool more_k = k0 + kc < job.k;
-  const int64_t pf_off = more_k ? (k0 + kc) >> half : 16 * NT * row_stride;
-  const int64_t pf_len = std::min(kAmxPfBlocks * kAmxKc, more_k ? job.k - k0 - kc : job.k) >> half;
-  for (int r = 0; r < 16 * NT; ++r) {
+  for (int64_t s = 0; s < kAmxKc / 32; ++s) g[s] = blk.g[s];
+  for (int r = r0; r < r1; ++r) {
     const int64_t n = nb + r;
     uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
     if (n >= nend) {
       for (int64_t s = 0; s < kc / 32; ++s)
         _mm512_storeu_si512(dst + s * NT * 512, _mm512_setzero_si512());
-      after_row(r);
       continue;
     }
     const uint8_t* q = data + n * row_stride;
-    if (more_k || n + 16 * NT < nend)
+    if (!pf_last || n + 16 * NT < nend)
       for (int64_t o = 0; o < pf_len; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(q + pf_off + o), _MM_HINT_T2);
-    if (int4)
+    if (INT4)
       amx_int4_row<NT>(sc, g, n, q, k0, kc, dst);
     else
       amx_int8_row<NT>(sc, g, n, q, k0, kc, dst);
-    after_row(r);
   }
 }
 
@@ -1725,11 +1731,18 @@ PG_TARGET_AMX void amx_dequant(const AmxJob& job, int64_t nb, int64_t nend, int6
 // B tile serves four products; with 32 rows, 32 channels by 2 x 2. All rows of x (at most
 // kAmxMaxM = 32, so mpad = 16 MT) fit the accumulators: they stay in the tiles for the
 // whole of K.
-template <int MT, int NT>
+template <int MT, int NT, bool INT4>
 PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* res,
                             int64_t ldr) {
   static_assert(MT * NT == 4, "four accumulator tiles");
   const QuantizedWeight& w = job.args->w;
+  const AmxScales sc{w.scales, w.scales_row_stride, w.scales_dtype, job.scale_in_weight};
+  const int half = INT4;  // bytes = k >> half
+  AmxBlock blk{};
+  blk.data = static_cast<const uint8_t*>(w.data);
+  blk.row_stride = w.row_stride;
+  blk.sc = sc;
+  blk.nend = n1;
   const int64_t K = job.k;
   const int64_t bstride = job.mpad * 4;  // bytes per k-pair row of xp
   // The blocks are pipelined: block i is dequantised into one of two buffers while the
@@ -1770,16 +1783,29 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
     for (int64_t k0 = 0, i = 0; k0 < K; k0 += kAmxKc, ++i) {
       const int64_t kc = std::min(kAmxKc, K - k0);
       uint16_t* cur = abuf + (i & 1) * kBuf;
-      int64_t done = 0;
-      const auto after_row = [&](int r) {
-        for (; done < psteps && done * 16 * NT < (r + 1) * psteps; ++done)
-          step(pa + done * NT * 512, pb + done * 16 * bstride);
-      };
-      if (kc == kAmxKc)
-        amx_dequant<NT, true>(job, nb, n1, k0, kc, cur, after_row);
-      else
-        amx_dequant<NT, false>(job, nb, n1, k0, kc, cur, after_row);
-      for (; done < psteps; ++done) step(pa + done * NT * 512, pb + done * 16 * bstride);
+      blk.nb = nb;
+      blk.k0 = k0;
+      blk.kc = kc;
+      blk.abuf = cur;
+      if (sc.grouped)
+        for (int64_t s = 0; s < kc / 32; ++s) blk.g[s] = (k0 + s * 32) / w.group_size;
+      // what each row prefetches: its next blocks, else the next channel block's first
+      const bool more_k = k0 + kc < K;
+      blk.pf_off = more_k ? (k0 + kc) >> half : 16 * NT * w.row_stride;
+      blk.pf_len = std::min(kAmxPfBlocks * kAmxKc, more_k ? K - k0 - kc : K) >> half;
+      blk.pf_last = !more_k;
+      // the rows in psteps parts (at least one), each after a pending step
+      const int64_t parts = std::max<int64_t>(psteps, 1);
+      for (int64_t c = 0; c < parts; ++c) {
+        __asm__ volatile("" ::: "memory");
+        if (c < psteps) step(pa + c * NT * 512, pb + c * 16 * bstride);
+        __asm__ volatile("" ::: "memory");
+        const int r0 = int(c * 16 * NT / parts), r1 = int((c + 1) * 16 * NT / parts);
+        if (kc == kAmxKc)
+          amx_dequant_rows<NT, INT4, true>(blk, r0, r1);
+        else
+          amx_dequant_rows<NT, INT4, false>(blk, r0, r1);
+      }
       // GCC's _tile_loadd has no memory operand: a block's stores stay before its tile
       // loads (next iteration), and those loads before the stores that reuse the buffer.
       __asm__ volatile("" ::: "memory");
@@ -1825,10 +1851,13 @@ void amx_task(void* ctx, int64_t b0, int64_t b1) {  // channel blocks [b0, b1)
     float* res = scratch(0, size_t(job.m * ldr));
     {
       const AmxScope amx(true);
+      const bool int4 = job.args->w.bits == 4;
       if (job.mpad > 16)
-        amx_rows<2, 2>(job, n0, n1, res, ldr);
+        int4 ? amx_rows<2, 2, true>(job, n0, n1, res, ldr)
+             : amx_rows<2, 2, false>(job, n0, n1, res, ldr);
       else
-        amx_rows<1, 4>(job, n0, n1, res, ldr);
+        int4 ? amx_rows<1, 4, true>(job, n0, n1, res, ldr)
+             : amx_rows<1, 4, false>(job, n0, n1, res, ldr);
     }
     job.ep.store(res, ldr, 0, job.m, n0, cols);
   });
