@@ -4,10 +4,14 @@
 // [kstep][4][16][32] bf16 buffer, with variants that drop one part each (timing only).
 //
 //   g++ -O3 -std=c++17 -march=sapphirerapids bench/probes/cpu_amx_dequant_probe.cpp -o probe
-//   ./probe [K]        (K = 2048: 64 KB of int4 rows, in L2)
+//   ./probe [K [CB]]   (K = 2048: 64 KB of int4 rows, in L2; CB channel blocks of 64 rows,
+//                      taken in turn as amx_rows does, 1 by default)
+//   PGX_AMX=1 ./probe  (the same with the tiles configured and one zeroed first)
 //
 // Prints ns per row-block of 128 k and weights per ns, fastest of 15 repetitions.
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -91,19 +95,45 @@ __attribute__((noinline)) __m512i int8_block(const uint8_t* w, int64_t stride, c
   return sink;
 }
 
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles configured and one zeroed, as while amx_linear runs (PGX_AMX=1 in the environment).
+__attribute__((target("amx-tile"))) void tiles_on() {
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+    std::printf("no AMX permission\n");
+    std::exit(1);
+  }
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+  _tile_zero(0);
+}
+__attribute__((target("amx-tile"))) void tiles_off() { _tile_release(); }
+
 using BlockFn = __m512i (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, uint16_t*);
 
 void run(const char* name, BlockFn fn, const uint8_t* w, int64_t stride, const float* sc,
-         int64_t K, uint16_t* abuf) {
+         int64_t K, uint16_t* abuf, int64_t cblocks) {
   double best = 1e30;
   __m512i sink = _mm512_setzero_si512();
   for (int rep = 0; rep < 15; ++rep) {
     const auto t0 = std::chrono::steady_clock::now();
-    for (int it = 0; it < 20; ++it)
-      for (int64_t k0 = 0, i = 0; k0 < K; k0 += kKc, ++i)
-        sink = _mm512_xor_si512(sink, fn(w, stride, sc, k0, K, abuf + (i & 1) * 8192));
+    const int its = int(std::max<int64_t>(1, 20 / cblocks));
+    for (int it = 0; it < its; ++it)
+      for (int64_t cb = 0; cb < cblocks; ++cb)
+        for (int64_t k0 = 0, i = 0; k0 < K; k0 += kKc, ++i)
+          sink = _mm512_xor_si512(sink, fn(w + cb * kRows * stride, stride,
+                                           sc + cb * kRows * (K / 128), k0, K,
+                                           abuf + (i & 1) * 8192));
     const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
-    best = std::min(best, ns / (20.0 * (K / kKc) * kRows));
+    best = std::min(best, ns / (double(its) * cblocks * (K / kKc) * kRows));
   }
   alignas(64) int32_t out[16];
   _mm512_store_si512(out, sink);
@@ -115,22 +145,26 @@ void run(const char* name, BlockFn fn, const uint8_t* w, int64_t stride, const f
 
 int main(int argc, char** argv) {
   const int64_t K = argc > 1 ? std::atoll(argv[1]) : 2048;
-  std::vector<uint8_t> w4(kRows * K / 2), w8(kRows * K);
+  const int64_t cb = argc > 2 ? std::atoll(argv[2]) : 1;  // channel blocks of 64 rows
+  std::vector<uint8_t> w4(cb * kRows * K / 2), w8(cb * kRows * K);
   for (size_t i = 0; i < w4.size(); ++i) w4[i] = uint8_t(i * 2654435761u >> 13);
   for (size_t i = 0; i < w8.size(); ++i) w8[i] = uint8_t(i * 2246822519u >> 11);
-  std::vector<float> sc(kRows * (K / 128), 0.01f);
+  std::vector<float> sc(cb * kRows * (K / 128), 0.01f);
   uint16_t* abuf = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * 8192 * 2));
-  std::printf("K = %lld, %d rows: int4 %lld KB, int8 %lld KB\n", (long long)K, kRows,
+  const bool amx = std::getenv("PGX_AMX") != nullptr;
+  if (amx) tiles_on();
+  std::printf("%sK = %lld, %lld rows: int4 %lld KB, int8 %lld KB\n", amx ? "tiles configured; " : "", (long long)K, (long long)(cb * kRows),
               (long long)(w4.size() >> 10), (long long)(w8.size() >> 10));
-  run("int4 shipped", int4_block<kShipped>, w4.data(), K / 2, sc.data(), K, abuf);
-  run("int4 no table rebuild", int4_block<kNoTable>, w4.data(), K / 2, sc.data(), K, abuf);
-  run("int4 no stores", int4_block<kNoStore>, w4.data(), K / 2, sc.data(), K, abuf);
-  run("int4 no prefetch", int4_block<kNoPrefetch>, w4.data(), K / 2, sc.data(), K, abuf);
-  run("int4 one row (L1)", int4_block<kSameRow>, w4.data(), K / 2, sc.data(), K, abuf);
-  run("int4 no vpermw", int4_block<kNoPerm>, w4.data(), K / 2, sc.data(), K, abuf);
-  run("int8 shipped", int8_block<kShipped>, w8.data(), K, sc.data(), K, abuf);
-  run("int8 no stores", int8_block<kNoStore>, w8.data(), K, sc.data(), K, abuf);
-  run("int8 no prefetch", int8_block<kNoPrefetch>, w8.data(), K, sc.data(), K, abuf);
-  run("int8 one row (L1)", int8_block<kSameRow>, w8.data(), K, sc.data(), K, abuf);
+  run("int4 shipped", int4_block<kShipped>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  run("int4 no table rebuild", int4_block<kNoTable>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  run("int4 no stores", int4_block<kNoStore>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  run("int4 no prefetch", int4_block<kNoPrefetch>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  run("int4 one row (L1)", int4_block<kSameRow>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  run("int4 no vpermw", int4_block<kNoPerm>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  run("int8 shipped", int8_block<kShipped>, w8.data(), K, sc.data(), K, abuf, cb);
+  run("int8 no stores", int8_block<kNoStore>, w8.data(), K, sc.data(), K, abuf, cb);
+  run("int8 no prefetch", int8_block<kNoPrefetch>, w8.data(), K, sc.data(), K, abuf, cb);
+  run("int8 one row (L1)", int8_block<kSameRow>, w8.data(), K, sc.data(), K, abuf, cb);
+  if (amx) tiles_off();
   std::free(abuf);
 }

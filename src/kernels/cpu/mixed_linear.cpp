@@ -1592,6 +1592,10 @@ PG_TARGET_AMX inline __m512i int4_table(float s_lo, float s_hi) {
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(vals, _mm512_set1_ps(s_hi)),
                                       _mm512_mul_ps(vals, _mm512_set1_ps(s_lo)));
 }
+PG_TARGET_AMX inline __m512i int4_table(float s) {
+  const __m512 v = _mm512_mul_ps(nibble_table(), _mm512_set1_ps(s));
+  return (__m512i)_mm512_cvtne2ps_pbh(v, v);
+}
 
 // The group scales as the row helpers read them, copied out of the job into locals once
 // per block: the vector stores into the buffer may alias anything, so fields read through
@@ -1611,17 +1615,20 @@ struct AmxScales {
 // k (xpack_task packs x in the same order). Per 64 weights: a zero-extension, two table
 // lookups, a shift and two ORs, where converting through fp32 took fourteen vector
 // operations, most of them on one port.
-template <int NT>
+// ONE: the block lies in one group (or the scales are per channel), so one table serves the
+// whole row.
+template <int NT, bool ONE>
 PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxScales& sc, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
   const bool gscale = sc.grouped;
   const __m512i sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1);
   const __m512i c0f = _mm512_set1_epi16(0x0F);
   __m512i lut = int4_table(1.f, 1.f);
+  if (ONE && gscale) lut = int4_table(sc.at(n, g[0]));
   int64_t glo = -1, ghi = -1;  // the groups the table is for (gscale)
   int64_t s = 0;
   for (; (s + 2) * 32 <= kc; s += 2) {
-    if (gscale && (g[s] != glo || g[s + 1] != ghi)) {
+    if (!ONE && gscale && (g[s] != glo || g[s + 1] != ghi)) {
       glo = g[s];
       ghi = g[s + 1];
       lut = int4_table(sc.at(n, glo), sc.at(n, ghi));
@@ -1649,14 +1656,15 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxScales& sc, const int6
 }
 
 // int8: 32 k per step through fp32 (a group scale, if any, applied there).
-template <int NT>
+template <int NT, bool ONE>
 PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxScales& sc, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
   const bool gscale = sc.grouped;
   __m512 sv = _mm512_set1_ps(1.f);
+  if (ONE && gscale) sv = _mm512_set1_ps(sc.at(n, g[0]));
   int64_t gcur = -1;
   for (int64_t s = 0; s < kc / 32; ++s) {
-    if (gscale && g[s] != gcur) {
+    if (!ONE && gscale && g[s] != gcur) {
       gcur = g[s];
       sv = _mm512_set1_ps(sc.at(n, gcur));
     }
@@ -1689,13 +1697,11 @@ struct AmxBlock {
 // the rows at a time, issuing the previous block's tile steps in between. Each row's next
 // kAmxPfBlocks blocks (or, after the last, the next channel block's first) are prefetched
 // into L2 on the way: with 32-64 rows read 64-128 bytes at a time, the hardware prefetchers
-// alone left the reads latency-bound (bench/CPU_NOTES.md 28, 58). A function of its own,
-// one per bit width and for full blocks (FULL: kc == kAmxKc, so the row helpers' loops
-// unroll), with what it reads copied into locals: inlined into amx_rows with both widths,
-// its registers spilled (bench/CPU_NOTES.md 60).
-template <int NT, bool INT4, bool FULL>
-PG_TARGET_AMX __attribute__((noinline)) void amx_dequant_rows(const AmxBlock& blk, int r0,
-                                                               int r1) {
+// alone left the reads latency-bound (bench/CPU_NOTES.md 28, 58). One instantiation per bit
+// width; FULL for blocks of kAmxKc k (the row helpers' loops unroll), ONE for those in one
+// group or with per-channel scales (one table a row) (bench/CPU_NOTES.md 60).
+template <int NT, bool INT4, bool FULL, bool ONE>
+PG_TARGET_AMX PG_ALWAYS_INLINE void amx_dequant_rows(const AmxBlock& blk, int r0, int r1) {
   const uint8_t* const data = blk.data;
   const int64_t row_stride = blk.row_stride;
   const AmxScales sc = blk.sc;
@@ -1719,9 +1725,9 @@ PG_TARGET_AMX __attribute__((noinline)) void amx_dequant_rows(const AmxBlock& bl
       for (int64_t o = 0; o < pf_len; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(q + pf_off + o), _MM_HINT_T2);
     if (INT4)
-      amx_int4_row<NT>(sc, g, n, q, k0, kc, dst);
+      amx_int4_row<NT, ONE>(sc, g, n, q, k0, kc, dst);
     else
-      amx_int8_row<NT>(sc, g, n, q, k0, kc, dst);
+      amx_int8_row<NT, ONE>(sc, g, n, q, k0, kc, dst);
   }
 }
 
@@ -1794,6 +1800,8 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
       blk.pf_off = more_k ? (k0 + kc) >> half : 16 * NT * w.row_stride;
       blk.pf_len = std::min(kAmxPfBlocks * kAmxKc, more_k ? K - k0 - kc : K) >> half;
       blk.pf_last = !more_k;
+      const bool full = kc == kAmxKc;
+      const bool one = !sc.grouped || blk.g[0] == blk.g[kc / 32 - 1];
       // the rows in psteps parts (at least one), each after a pending step
       const int64_t parts = std::max<int64_t>(psteps, 1);
       for (int64_t c = 0; c < parts; ++c) {
@@ -1801,10 +1809,12 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
         if (c < psteps) step(pa + c * NT * 512, pb + c * 16 * bstride);
         __asm__ volatile("" ::: "memory");
         const int r0 = int(c * 16 * NT / parts), r1 = int((c + 1) * 16 * NT / parts);
-        if (kc == kAmxKc)
-          amx_dequant_rows<NT, INT4, true>(blk, r0, r1);
+        if (full && one)
+          amx_dequant_rows<NT, INT4, true, true>(blk, r0, r1);
+        else if (full)
+          amx_dequant_rows<NT, INT4, true, false>(blk, r0, r1);
         else
-          amx_dequant_rows<NT, INT4, false>(blk, r0, r1);
+          amx_dequant_rows<NT, INT4, false, false>(blk, r0, r1);
       }
       // GCC's _tile_loadd has no memory operand: a block's stores stay before its tile
       // loads (next iteration), and those loads before the stores that reuse the buffer.
