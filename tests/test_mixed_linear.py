@@ -137,16 +137,17 @@ def test_mixed_linear_m_sweep(device, bits, group):
 @pytest.mark.parametrize("bits,group", SCHEMES, ids=SCHEME_IDS)
 @pytest.mark.parametrize("k", [640, 1152])
 def test_mixed_linear_k_blocks(device, bits, group, k):
-    """bf16 x with 17-64 rows and K over 5 or 9 dequantised blocks of 128 k: on AMX CPUs
+    """bf16 x with 17-96 rows and K over 5 or 9 dequantised blocks of 128 k: on AMX CPUs
     amx_linear pipelines the blocks through two buffers, the tile steps of one block issued
-    while the next is dequantised, and takes 33-64 rows in two chunks (33 as 17 + 16).
+    while the next is dequantised, and takes 33-96 rows in even chunks of at most 32 (33 as
+    17 + 16, 80 as 27 + 27 + 26).
     N = 100 leaves the last block of 32 channels partly empty. Elsewhere the same shapes
     check the other paths."""
     n = 100
     w = rand((n, k), torch.bfloat16, device)
     q, s = pg.quantize_weight(w, bits=bits, group_size=group)
     wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
-    for m in (17, 25, 32, 33, 47, 64):
+    for m in (17, 25, 32, 33, 47, 64, 80, 96):
         x = rand((m, k), torch.bfloat16, device)
         out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
         assert_close(out, (x.cpu().double() @ wd.T).to(device), torch.bfloat16, TOL[torch.bfloat16],

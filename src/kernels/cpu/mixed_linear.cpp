@@ -13,8 +13,8 @@
 //      seeds;
 //    - more rows: small_rows_tile, compute-bound, a 4 x 4 register tile over weights
 //      unpacked once per block of 4 rows into an L1 buffer.
-//    Otherwise (f32 / f16 x, no AVX512-BF16; on AMX CPUs at M < kAmxMinM, see fma_first,
-//    and from kAmxMinM to kAmxChunkMaxM amx_linear) each weight row is streamed once per chunk of
+//    Otherwise (f32 / f16 x, no AVX512-BF16; on AMX CPUs at M < amx_min_m, see fma_first,
+//    and from amx_min_m to kAmxChunkMaxM amx_linear) each weight row is streamed once per chunk of
 //    up to 8 rows of x (later chunks hit L1), dequantised in registers and FMA'd against
 //    every row of the chunk (small_block_avx512; on AVX2-only CPUs small_block_avx2, up to
 //    4 rows, and for int4 at M = 1 small_block_avx2_i4). Group scales are applied per
@@ -81,14 +81,22 @@ bool small_m_bf16(const MixedLinearArgs& a) {
 // 5, 0.72 at 6 (8192^2), 1.12 at 7, 1.00 at 8. So 5 and 6 rows took the FMA blocks. Since
 // amx_linear pipelines its blocks (section 58) it takes 0.58-0.78x the FMA blocks' time at
 // 5 and 6 rows on the VM (int8 and int4, 4096^2 to 8192^2), and 1.15-1.32x at 3 and 4.
-constexpr int64_t kAmxMinM = 5;
+// Since section 60 (epilogue, x packing, one table a row) int4 moved down to 3 rows:
+// amx_linear took 0.82-0.93x the FMA blocks' time at 3 and 4 (g128 and per channel, K =
+// 4096-11008) and 1.03-1.09x at 2; int8 stays at 5 (1.10-1.14x at 3 and 4, 1.06x at 2).
+constexpr int64_t kAmxMinM = 5;      // int8
+constexpr int64_t kAmxMinMInt4 = 3;  // int4
+inline int64_t amx_min_m(const QuantizedWeight& w) {
+  return w.bits == 4 ? kAmxMinMInt4 : kAmxMinM;
+}
 constexpr int64_t kAmxMaxM = 32;
 // Up to this M, amx_linear in even chunks of at most kAmxMaxM rows (amx_linear_chunks), each
 // dequantising the weight again, rather than the dense path. On the 2-core Xeon VM (one
 // process, 4 rounds; bench/CPU_NOTES.md 59), against the dense path: M = 33 / 40 / 48 / 56
 // 0.79 / 0.88 / 0.92 / 0.69x; M = 64 0.70-0.98x on four shapes, 1.08x on int4 g128 4096^2;
-// M = 96 0.95x, M = 128 1.07-1.25x.
-constexpr int64_t kAmxChunkMaxM = 64;
+// M = 96 0.95x, M = 128 1.07-1.25x. After section 60 (the same VM, 3 rounds): M = 80 / 96
+// 0.75-0.88x, M = 112 0.95 / 1.04x, M = 128 0.98 / 1.03x, M = 160 1.07x; so up to 96.
+constexpr int64_t kAmxChunkMaxM = 96;
 
 inline float scale_at(const QuantizedWeight& w, int64_t n, int64_t g) {
   return load_f32(w.scales, n * w.scales_row_stride + g, w.scales_dtype);
@@ -1336,7 +1344,7 @@ int64_t nib_max_m(const QuantizedWeight& w) {
   const bool grouped = w.group_size > 0;
   return w.bits == 4 ? (grouped ? 7 : 3) : (grouped ? 2 : 1);
 }
-// On AMX CPUs, M below kAmxMinM (above it amx_linear) takes the fp32 FMA blocks instead of
+// On AMX CPUs, M below amx_min_m (above it amx_linear) takes the fp32 FMA blocks instead of
 // the vdpbf16ps ones (small_block_nib, small_rows_tile), except int4 at M = 1. By the
 // timings there, vdpbf16ps does no more multiply-adds per cycle than the FMA units, so the
 // bf16 blocks' extra work (unpacking nibbles; int8 as two nibble dot products) is not paid
@@ -1353,7 +1361,7 @@ int64_t nib_max_m(const QuantizedWeight& w) {
 // stands for that kind of core here.
 bool fma_first(const MixedLinearArgs& a) {
   const int64_t m = a.x.rows;
-  return m < kAmxMinM && (a.w.bits == 8 || m > 1) && amx_supported();
+  return m < amx_min_m(a.w) && (a.w.bits == 8 || m > 1) && amx_supported();
 }
 bool small_m_nib(const MixedLinearArgs& a) {
   return small_m_bf16(a) && a.x.rows <= nib_max_m(a.w) && !fma_first(a);
@@ -2028,7 +2036,7 @@ bool amx_linear_chunks(const MixedLinearArgs& args, const Executor& exec) {
 #endif
 
 // Rows of x up to which mixed_linear takes the small-M path; above, the dense path (AMX
-// CPUs run amx_linear for kAmxMinM..kAmxChunkMaxM rows before either). On the Zen 5 VM of
+// CPUs run amx_linear for amx_min_m..kAmxChunkMaxM rows before either). On the Zen 5 VM of
 // bench/CPU_NOTES.md 38 (6 alternating rounds, median of the per-round ratios), the tile
 // path against the dense one: group scales (g128, int4 and int8, 8192^2 and 4096 x 12288)
 // 0.73-0.85x the time at M = 24 and 0.87-0.96x at 32 (section 19 had found the opposite,
@@ -2059,7 +2067,7 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
   try {
     const bool pairs = has_bf16_x_pairs(args);
 #if PG_X86
-    if (K > 0 && M >= kAmxMinM && M <= kAmxChunkMaxM && amx_usable(args)) {
+    if (K > 0 && M >= amx_min_m(args.w) && M <= kAmxChunkMaxM && amx_usable(args)) {
       ok = amx_linear_chunks(args, exec);
     } else
 #endif
