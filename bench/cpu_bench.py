@@ -31,6 +31,9 @@ import target_rounds  # bench/target_rounds.py, next to this file
 DENSE_SIZES = [256, 512, 1024, 2048, 4096]
 WEIGHT_SHAPES = [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (8192, 8192), (8192, 28672)]
 MS = [1, 2, 4, 8, 16, 32, 64, 256]
+# The section of bench/CPU_NOTES.md that describes the kernels this version of the bench was
+# written for; each run records it, so a table's bound texts name what held that run's code.
+NOTES_SECTION = 60
 
 
 def sysfs_caches() -> list[tuple[str, str, str]]:
@@ -386,9 +389,16 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
         if need > 0.8 * ceiling:
             return (f"FLOPs: {goal} needs {need:.0f} GFLOP/s, {need / ceiling:.0%} of the fastest GEMM measured "
                     f"here ({ceiling:.0f}){extra}; ours does {gflops(r):.0f}")
+        # On AMX CPUs these rows run amx_linear (int4 from 3 rows, int8 from 5; mixed_linear.cpp),
+        # as measured in CPU_NOTES 60 for runs of that code.
+        if ("amx" in meta.get("isa", "") and meta.get("notes_section", 0) >= 60
+                and r["M"] >= (3 if r["bits"] == 4 else 5)):
+            how = ("amx_linear's dequantisation to bf16 and its tile steps, which overlap little "
+                   "(timing-only builds, bench/CPU_NOTES.md 60)")
+        else:
+            how = "the dequantising instructions per weight around its multiply-adds"
         return (f"not FLOPs: {goal} needs {need:.0f} GFLOP/s, {need / ceiling:.0%} of the fastest GEMM measured "
-                f"here ({ceiling:.0f}); ours does {gflops(r):.0f}, bound by the dequantising instructions per "
-                "weight around its multiply-adds")
+                f"here ({ceiling:.0f}); ours does {gflops(r):.0f}, bound by {how}")
 
     for bits, group, name in ((8, 0, "int8"), (4, 128, "int4 g128")):
         rs = [r for r in wo if (r["bits"], r["group"]) == (bits, group)]
@@ -574,7 +584,7 @@ def main() -> int:
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "torch": torch.__version__, "target": info["target"], "threads": args.threads,
             "isa": info["features"].get("cpu_isa"), "cpu_flags": cpu_flags(), "cpu": cpu_model(), "read_GBps": bw,
-            "rotation_bytes": LLC_BYTES}
+            "rotation_bytes": LLC_BYTES, "notes_section": NOTES_SECTION}
     print(f"cpu_bench: {json.dumps(meta)}")
     dense = [] if args.skip_dense else bench_dense(args.quick)
     wo = bench_weight_only(args.quick, bw)
