@@ -6,7 +6,8 @@
 //   g++ -O3 -std=c++17 -march=sapphirerapids bench/probes/cpu_amx_dequant_probe.cpp -o probe
 //   ./probe [K [CB]]   (K = 2048: 64 KB of int4 rows, in L2; CB channel blocks of 64 rows,
 //                      taken in turn as amx_rows does, 1 by default)
-//   PGX_AMX=1 ./probe  (the same with the tiles configured and one zeroed first)
+//   PGX_AMX=1 ./probe  (the same with the tiles configured and one zeroed first, and two
+//                      more rows: amx_rows' tile steps alone, and interleaved as it does)
 //
 // Prints ns per row-block of 128 k and weights per ns, fastest of 15 repetitions.
 #include <immintrin.h>
@@ -24,6 +25,7 @@
 namespace {
 
 constexpr int kRows = 64, kKc = 128, kNT = 4;
+uint16_t* g_abuf = nullptr;  // the two dequantisation buffers
 
 inline __m512i int4_table(float s_lo, float s_hi) {
   const __m512 vals = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -31,16 +33,60 @@ inline __m512i int4_table(float s_lo, float s_hi) {
                                       _mm512_mul_ps(vals, _mm512_set1_ps(s_lo)));
 }
 
-enum Var { kShipped, kNoTable, kNoStore, kNoPrefetch, kSameRow, kNoPerm };
+enum Var { kShipped, kNoTable, kNoStore, kNoPrefetch, kSameRow, kNoPerm, kSteps, kStepsOnly,
+           kStepsLoads, kStepsDp };
+
+// One 32-k tile step of amx_rows at 16 rows of x (NT = 4): x's tile, then four weight tiles
+// of the other buffer into four accumulators.
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_step(const uint16_t* a,
+                                                                  const uint16_t* x) {
+  _tile_loadd(6, x, 64);
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a + 512, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 5, 6);
+  _tile_loadd(4, a + 1024, 64);
+  _tile_loadd(5, a + 1536, 64);
+  _tile_dpbf16ps(2, 4, 6);
+  _tile_dpbf16ps(3, 5, 6);
+}
+// Its tile loads alone, and its multiplies alone (on whatever the tiles hold).
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_step_loads(const uint16_t* a,
+                                                                        const uint16_t* x) {
+  _tile_loadd(6, x, 64);
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a + 512, 64);
+  _tile_loadd(7, a + 1024, 64);
+  _tile_loadd(4, a + 1536, 64);
+}
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_step_dp() {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 5, 6);
+  _tile_dpbf16ps(2, 4, 6);
+  _tile_dpbf16ps(3, 5, 6);
+}
+alignas(64) uint16_t g_x[4 * 512];  // x's tiles of a block (zero: only the time counts)
 
 template <int V>
-__attribute__((noinline)) __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc,
-                                            int64_t k0, int64_t K, uint16_t* abuf) {
+__attribute__((noinline, target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+__m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0, int64_t K,
+                   uint16_t* abuf) {
+  // kSteps / kStepsOnly: the other buffer's four tile steps, one before each 16 rows, as
+  // amx_rows issues them (kStepsOnly: and no dequantisation).
+  const uint16_t* other = abuf == g_abuf ? g_abuf + 8192 : g_abuf;
+  if (V == kStepsOnly) {
+    for (int c = 0; c < 4; ++c) tile_step(other + c * 2048, g_x + c * 512);
+    return _mm512_setzero_si512();
+  }
   const __m512i sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1);
   const __m512i c0f = _mm512_set1_epi16(0x0F);
   __m512i sink = _mm512_setzero_si512();
   const bool more_k = k0 + kKc < K;
   for (int r = 0; r < kRows; ++r) {
+    if (V == kSteps && (r & 15) == 0) tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+    if (V == kStepsLoads && (r & 15) == 0)
+      tile_step_loads(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+    if (V == kStepsDp && (r & 15) == 0) tile_step_dp();
     const uint8_t* q = w + (V == kSameRow ? 0 : r) * stride;
     uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
     if (V != kNoPrefetch && more_k)
@@ -151,6 +197,8 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < w8.size(); ++i) w8[i] = uint8_t(i * 2246822519u >> 11);
   std::vector<float> sc(cb * kRows * (K / 128), 0.01f);
   uint16_t* abuf = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * 8192 * 2));
+  std::memset(abuf, 0, 2 * 8192 * 2);
+  g_abuf = abuf;
   const bool amx = std::getenv("PGX_AMX") != nullptr;
   if (amx) tiles_on();
   std::printf("%sK = %lld, %lld rows: int4 %lld KB, int8 %lld KB\n", amx ? "tiles configured; " : "", (long long)K, (long long)(cb * kRows),
@@ -161,6 +209,14 @@ int main(int argc, char** argv) {
   run("int4 no prefetch", int4_block<kNoPrefetch>, w4.data(), K / 2, sc.data(), K, abuf, cb);
   run("int4 one row (L1)", int4_block<kSameRow>, w4.data(), K / 2, sc.data(), K, abuf, cb);
   run("int4 no vpermw", int4_block<kNoPerm>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  if (amx) {
+    run("int4 tile steps only", int4_block<kStepsOnly>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+    run("int4 with tile steps", int4_block<kSteps>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+    run("int4 with their loads only", int4_block<kStepsLoads>, w4.data(), K / 2, sc.data(), K,
+        abuf, cb);
+    run("int4 with their tdpbf16ps only", int4_block<kStepsDp>, w4.data(), K / 2, sc.data(), K,
+        abuf, cb);
+  }
   run("int8 shipped", int8_block<kShipped>, w8.data(), K, sc.data(), K, abuf, cb);
   run("int8 no stores", int8_block<kNoStore>, w8.data(), K, sc.data(), K, abuf, cb);
   run("int8 no prefetch", int8_block<kNoPrefetch>, w8.data(), K, sc.data(), K, abuf, cb);
