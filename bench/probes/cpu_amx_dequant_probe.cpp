@@ -34,7 +34,7 @@ inline __m512i int4_table(float s_lo, float s_hi) {
 }
 
 enum Var { kShipped, kNoTable, kNoStore, kNoPrefetch, kSameRow, kNoPerm, kSteps, kStepsOnly,
-           kStepsLoads, kStepsDp };
+           kStepsLoads, kStepsDp, kQuad, kQuadSteps };
 
 // One 32-k tile step of amx_rows at 16 rows of x (NT = 4): x's tile, then four weight tiles
 // of the other buffer into four accumulators.
@@ -94,6 +94,22 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
         _mm_prefetch(reinterpret_cast<const char*>(q + (k0 + kKc) / 2 + o), _MM_HINT_T2);
     __m512i lut = int4_table(1.f, 1.f);
     if (V != kNoTable) lut = int4_table(sc[r * (K / 128) + k0 / 128], sc[r * (K / 128) + k0 / 128]);
+    if (V == kQuad || V == kQuadSteps) {
+      // The block's 64 bytes as 32 words of four nibbles (k = 4j .. 4j + 3): vpermw reads the
+      // low 5 bits of each index word, so each nibble is moved there, no zero-extension.
+      if (V == kQuadSteps && (r & 15) == 0)
+        tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+      const __m512i wv = _mm512_loadu_si512(q + k0 / 2);
+      const __m512i n0 = _mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA);
+      const __m512i n1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(wv, 4), c0f, sel, 0xEA);
+      const __m512i n2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(wv, 8), c0f, sel, 0xEA);
+      const __m512i n3 = _mm512_or_si512(_mm512_srli_epi16(wv, 12), sel);
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(n0, lut));
+      _mm512_storeu_si512(dst + kNT * 512, _mm512_permutexvar_epi16(n1, lut));
+      _mm512_storeu_si512(dst + 2 * kNT * 512, _mm512_permutexvar_epi16(n2, lut));
+      _mm512_storeu_si512(dst + 3 * kNT * 512, _mm512_permutexvar_epi16(n3, lut));
+      continue;
+    }
     for (int s = 0; s < kKc / 32; s += 2) {
       const __m512i wv = _mm512_cvtepu8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (k0 + s * 32) / 2)));
@@ -204,6 +220,7 @@ int main(int argc, char** argv) {
   std::printf("%sK = %lld, %lld rows: int4 %lld KB, int8 %lld KB\n", amx ? "tiles configured; " : "", (long long)K, (long long)(cb * kRows),
               (long long)(w4.size() >> 10), (long long)(w8.size() >> 10));
   run("int4 shipped", int4_block<kShipped>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  run("int4 four nibbles a word", int4_block<kQuad>, w4.data(), K / 2, sc.data(), K, abuf, cb);
   run("int4 no table rebuild", int4_block<kNoTable>, w4.data(), K / 2, sc.data(), K, abuf, cb);
   run("int4 no stores", int4_block<kNoStore>, w4.data(), K / 2, sc.data(), K, abuf, cb);
   run("int4 no prefetch", int4_block<kNoPrefetch>, w4.data(), K / 2, sc.data(), K, abuf, cb);
@@ -212,6 +229,8 @@ int main(int argc, char** argv) {
   if (amx) {
     run("int4 tile steps only", int4_block<kStepsOnly>, w4.data(), K / 2, sc.data(), K, abuf, cb);
     run("int4 with tile steps", int4_block<kSteps>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+    run("int4 four nibbles a word, with tile steps", int4_block<kQuadSteps>, w4.data(), K / 2,
+        sc.data(), K, abuf, cb);
     run("int4 with their loads only", int4_block<kStepsLoads>, w4.data(), K / 2, sc.data(), K,
         abuf, cb);
     run("int4 with their tdpbf16ps only", int4_block<kStepsDp>, w4.data(), K / 2, sc.data(), K,
