@@ -1845,13 +1845,13 @@ PG_TARGET_AMX void amx_rows(const AmxJob& job, int64_t n0, int64_t n1, float* re
       if (nbase >= n1 || mbase >= job.m) continue;
       const int nc = int(std::min<int64_t>(16, n1 - nbase));
       const int mc = int(std::min<int64_t>(16, job.m - mbase));
-      alignas(64) float sc[16];
+      alignas(64) float chs[16];  // per-channel scales (1 where folded into the weights)
       for (int i = 0; i < 16; ++i)
-        sc[i] = job.scale_in_weight || i >= nc ? 1.f : scale_at(w, nbase + i, 0);
+        chs[i] = sc.grouped || i >= nc ? 1.f : sc.at(nbase + i, 0);
       __m512 v[16];
       for (int i = 0; i < 16; ++i) v[i] = _mm512_load_ps(ctile[t] + i * 16);
       transpose16_avx512(v);  // v[j]: row j of x, 16 channels
-      const __m512 scv = _mm512_load_ps(sc);
+      const __m512 scv = _mm512_load_ps(chs);
       const __mmask16 keep = __mmask16((1u << nc) - 1);
       float* out = res + mbase * ldr + (nbase - n0);
       for (int j = 0; j < mc; ++j)
