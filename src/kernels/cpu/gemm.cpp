@@ -1175,7 +1175,11 @@ void run_block_kin(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo
   const int64_t kcb = round_up((K + npc - 1) / npc, 32), kub = kcb / 2;  // K % 32 == 0
   const int64_t ncb = std::min(ks.nc, round_up(n_hi - n_lo, nr));
   float* bp = scratch(0, size_t(npc * kub * ncb));
-  float* ws = scratch(2, size_t(kKinRows * ncb));
+  // The partial sums' rows are padded by 16 floats: with ncb = 1024 the 16 rows of a tile
+  // load or store lie 4 KB apart, in one L1 set. Padded: 0.96-0.98x the time at 2048^3 to
+  // 4096^3 (bench/CPU_NOTES.md 60).
+  const int64_t ldw = ncb + 16;
+  float* ws = scratch(2, size_t(kKinRows * ldw));
   alignas(64) float tile[16 * 64];
   for (int64_t jc = n_lo; jc < n_hi; jc += ncb) {
     const int64_t nc = std::min(ncb, n_hi - jc);
@@ -1193,12 +1197,12 @@ void run_block_kin(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo
           const float* a_sl = job.a_tiles + (mo + ir) / mr * (K / 2) * mr + pc / 2 * mr;
           for (int64_t jr = 0; jr < nc; jr += nr) {
             const float* b_sl = bp + i * kub * ncb + jr * ku;
-            float* w = ws + ir * ncb + jr;
+            float* w = ws + ir * ldw + jr;
             if (last) {
-              ks.kern[m](ku, a_sl, b_sl, nr, first ? nullptr : w, ncb, tile, nr);
+              ks.kern[m](ku, a_sl, b_sl, nr, first ? nullptr : w, ldw, tile, nr);
               job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
             } else {
-              ks.kern[m](ku, a_sl, b_sl, nr, first ? nullptr : w, ncb, w, ncb);
+              ks.kern[m](ku, a_sl, b_sl, nr, first ? nullptr : w, ldw, w, ldw);
             }
           }
         }
@@ -1235,7 +1239,8 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
                       npc * kub * mchb * int64_t(sizeof(float)) <= kKeepA;
   float* bp = scratch(0, size_t(kub * ncb));
   float* ap_all = rows || job.a_tiles ? nullptr : scratch(1, size_t(kub * mchb * (keep_a ? npc : 1)));
-  float* ws = npc > 1 ? scratch(2, size_t(mchb * ncb)) : nullptr;
+  const int64_t ldw = ncb + 16;  // padded, as in run_block_kin: 0.985x at M = 256 (CPU_NOTES 60)
+  float* ws = npc > 1 ? scratch(2, size_t(mchb * ldw)) : nullptr;
   alignas(64) float tile[16 * 64];
 
   for (int64_t jc = n_lo; jc < n_hi; jc += ncb) {
@@ -1264,17 +1269,17 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
                                             : ap + ir * ku;
           const uint16_t* a_rows = rows ? a16 + (mo + ir) * p.a.row_stride + pc : nullptr;
           const auto kern = [&](const float* b_sl, const float* in, float* out, int64_t ldout) {
-            if (rows) ks.kern_rows[m](ku, a_rows, p.a.row_stride, b_sl, nr, in, ncb, out, ldout);
-            else ks.kern[m](ku, a_sl, b_sl, nr, in, ncb, out, ldout);
+            if (rows) ks.kern_rows[m](ku, a_rows, p.a.row_stride, b_sl, nr, in, ldw, out, ldout);
+            else ks.kern[m](ku, a_sl, b_sl, nr, in, ldw, out, ldout);
           };
           for (int64_t jr = 0; jr < nc; jr += nr) {
             const float* b_sl = bp + jr * ku;
-            float* w = ws ? ws + ir * ncb + jr : nullptr;
+            float* w = ws ? ws + ir * ldw + jr : nullptr;
             if (last) {
               kern(b_sl, first ? nullptr : w, tile, nr);
               job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
             } else {
-              kern(b_sl, first ? nullptr : w, w, ncb);
+              kern(b_sl, first ? nullptr : w, w, ldw);
             }
           }
         }
