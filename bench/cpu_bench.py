@@ -361,7 +361,11 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             row(f"{dt} gemm >= 0.9x torch.matmul at 1024-4096",
                 ", ".join(f"{r['size']}: {r['ratio']:.2f}x" for r in rs), worst >= 0.9,
                 f"ours {max(r['ours_GFLOPs'] for r in rs):.0f} vs torch {best_torch:.0f} GFLOP/s on 2 cores"
-                + (("; on AMX the tile kernel (32 x 32 of C) runs at about half its in-L1 rate while its B "
+                + (("; on AMX the tile kernel (32 x 32 of C) takes ~83% of the call at 2048 and runs at ~80% "
+                    "of its in-L1 rate; the rest is packing and the bf16 stores (a perf profile, "
+                    "bench/CPU_NOTES.md 49, 60)"
+                    if "amx" in meta.get("isa", "") and meta.get("notes_section", 0) >= 60 else
+                    "; on AMX the tile kernel (32 x 32 of C) runs at about half its in-L1 rate while its B "
                     "slivers stream from L2, and B is packed on every call (bench/CPU_NOTES.md 49)"
                     if "amx" in meta.get("isa", "") else
                     "; the micro-kernel alone runs at the vdpbf16ps peak (CPU_NOTES 9), the rest is packing "
