@@ -107,15 +107,21 @@ def vs_torch(r: dict) -> float:
     return statistics.median(t / o for t, o in zip(r["torch_weight_only_ms_rounds"], r["ours_ms_rounds"]))
 
 
-def test_gpu_table_is_rendered_from_its_json(benches):
-    _, gpu_bench = benches
-    d = json.loads((RESULTS / "gpu_bench_final.json").read_text())
-    assert gpu_bench.markdown(d) == (RESULTS / "gpu_bench_final.md").read_text()
+# The H200 table (run 81) and the first H100 one (run 87, the same CUDA kernels).
+GPU_RUNS = ["gpu_bench_final", "gpu_bench_h100_run87"]
 
 
-def test_gpu_goals_follow_the_numbers(benches):
+@pytest.mark.parametrize("run", GPU_RUNS)
+def test_gpu_table_is_rendered_from_its_json(benches, run):
     _, gpu_bench = benches
-    d = json.loads((RESULTS / "gpu_bench_final.json").read_text())
+    d = json.loads((RESULTS / f"{run}.json").read_text())
+    assert gpu_bench.markdown(d) == (RESULTS / f"{run}.md").read_text()
+
+
+@pytest.mark.parametrize("run", GPU_RUNS)
+def test_gpu_goals_follow_the_numbers(benches, run):
+    _, gpu_bench = benches
+    d = json.loads((RESULTS / f"{run}.json").read_text())
     rows = goal_rows(gpu_bench.markdown(d))
     wo = d["weight_only"]
     for (k, n), goal in (((8192, 8192), 2.0), ((28672, 8192), 3.0)):
@@ -231,11 +237,12 @@ def test_target_rounds_alternate_swaps_the_first_side_every_round(tmp_path):
     assert log.read_text().split() == ["2.11", "2.9", "2.9", "2.11", "2.11", "2.9"]
 
 
-def test_gpu_target_row_follows_the_rounds(benches):
+@pytest.mark.parametrize("run", GPU_RUNS)
+def test_gpu_target_row_follows_the_rounds(benches, run):
     """The targets row's verdict is the median of the per-round ratios within the tolerance,
     recomputed here from the raw per-process times."""
     _, gpu_bench = benches
-    d = json.loads((RESULTS / "gpu_bench_final.json").read_text())
+    d = json.loads((RESULTS / f"{run}.json").read_text())
     tg = d["targets"]
     rows = goal_rows(gpu_bench.markdown(d))
     cells = next(c for g, c in rows.items() if g.startswith("the same numbers under targets"))
