@@ -133,10 +133,13 @@ def strided_variants(t: torch.Tensor):
     yield "offset+step", view
 
 
-def run_python(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run code in a fresh interpreter (loader decisions happen at import time)."""
+def run_python(code: str, env: dict | None = None, timeout: int = 300,
+               unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter (loader decisions happen at import time), with env
+    added to this process's environment and the variables in unset removed from it."""
     full_env = dict(os.environ)
-    full_env.pop("PORTABLE_GEMM_TARGET", None)
+    for name in ("PORTABLE_GEMM_TARGET", *unset):
+        full_env.pop(name, None)
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=full_env, timeout=timeout)

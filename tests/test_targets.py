@@ -117,6 +117,26 @@ def test_pool_env(target, pool, threading_):
     assert warned == (pool not in ("own", "openmp")), proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("value, lowers", [("avx2", True), ("", False), ("avx512bf16", False)])
+def test_isa_env(value, lowers):
+    """PORTABLE_GEMM_ISA lowers the CPU units for testing; an empty value is the same as unset,
+    and a name the library does not know is ignored and warned about at import."""
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "import torch, portable_gemm as pg\n"
+            "print('ISA', pg.info()['features']['cpu_isa'])")
+    native = run_python(code, unset=("PORTABLE_GEMM_ISA",))
+    proc = run_python(code, env={"PORTABLE_GEMM_ISA": value})
+    assert native.returncode == 0 and proc.returncode == 0, (native.stderr[-2000:], proc.stderr[-2000:])
+    isa, native_isa = (p.stdout.split("ISA ", 1)[1].strip() for p in (proc, native))
+    if lowers:
+        assert isa == ("avx2" if native_isa != "generic" else "generic"), (isa, native_isa)
+    else:
+        assert isa == native_isa, (value, isa, native_isa)
+    warned = f"PORTABLE_GEMM_ISA={value!r} is not one of" in proc.stderr
+    assert warned == (value == "avx512bf16"), proc.stderr[-2000:]
+    assert "PORTABLE_GEMM_ISA" not in native.stderr, native.stderr[-2000:]
+
+
 @pytest.mark.parametrize("forced,message", [
     ("2.14", r"PORTABLE_GEMM_TARGET=2.14 names no built target"),
     ("9.9", r"PORTABLE_GEMM_TARGET=9.9 names no built target"),

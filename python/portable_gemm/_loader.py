@@ -43,6 +43,11 @@ class LoadState:
     cpu_binding: object = None  # the loaded CPU _Binding: info() asks it for the threading now
 
 
+# The values of PORTABLE_GEMM_ISA the kernel library reads (cpu::isa_request, gemm.cpp); each
+# lowers the CPU units used, for testing. Anything else, or an empty value, is ignored there.
+CPU_ISA_NAMES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+
+
 def read_manifest(lib_dir: Path = LIB_DIR) -> dict:
     path = lib_dir / "manifest.json"
     try:
@@ -228,6 +233,11 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
         warnings.warn(f"portable_gemm: PORTABLE_GEMM_POOL={pool!r} is neither 'own' nor 'openmp'; target "
                       f"{state.target}'s CPU ops run on {state.features['threading']} "
                       f"({state.features['threading_why']})", RuntimeWarning, stacklevel=2)
+    isa = os.environ.get("PORTABLE_GEMM_ISA", "")
+    if isa not in ("",) + CPU_ISA_NAMES:
+        warnings.warn(f"portable_gemm: PORTABLE_GEMM_ISA={isa!r} is not one of {', '.join(CPU_ISA_NAMES)}; "
+                      f"ignored, the CPU kernels run on {state.features['cpu_isa']}", RuntimeWarning,
+                      stacklevel=2)
     _load_cuda(state, lib_dir, namespace)
     return state
 

@@ -44,6 +44,31 @@ namespace cpu {
 
 namespace {
 
+// PORTABLE_GEMM_ISA, read once: the units it leaves on, from the lowest. Unset, empty
+// (`PORTABLE_GEMM_ISA= cmd`) or not one of the names: no request, the CPU's best. Before,
+// each reader compared the string itself, and an empty or unknown value left the ISA as
+// it was but switched AMX off.
+enum class IsaRequest { none, generic, avx2, avx512, avx512_bf16, amx };
+IsaRequest isa_request() {
+  static const IsaRequest req = [] {
+    const char* env = std::getenv("PORTABLE_GEMM_ISA");
+    if (env == nullptr) return IsaRequest::none;
+    static const struct { const char* name; IsaRequest req; } names[] = {
+        {"generic", IsaRequest::generic}, {"avx2", IsaRequest::avx2},
+        {"avx512", IsaRequest::avx512},   {"avx512_bf16", IsaRequest::avx512_bf16},
+        {"amx", IsaRequest::amx}};
+    for (const auto& n : names)
+      if (std::strcmp(env, n.name) == 0) return n.req;
+    return IsaRequest::none;
+  }();
+  return req;
+}
+// The request rules out units above it (none and amx rule out nothing).
+bool isa_request_below(IsaRequest unit) {
+  const IsaRequest req = isa_request();
+  return req != IsaRequest::none && static_cast<int>(req) < static_cast<int>(unit);
+}
+
 Isa detect_isa() {
   Isa best = Isa::generic;
 #if PG_X86
@@ -55,13 +80,8 @@ Isa detect_isa() {
       __builtin_cpu_supports("avx512dq"))
     best = Isa::avx512;
 #endif
-  if (const char* env = std::getenv("PORTABLE_GEMM_ISA")) {
-    Isa want = best;
-    if (std::strcmp(env, "generic") == 0) want = Isa::generic;
-    else if (std::strcmp(env, "avx2") == 0) want = Isa::avx2;
-    else if (std::strcmp(env, "avx512") == 0) want = Isa::avx512;
-    if (static_cast<int>(want) < static_cast<int>(best)) best = want;
-  }
+  if (isa_request_below(IsaRequest::avx2)) best = Isa::generic;
+  else if (isa_request_below(IsaRequest::avx512) && best == Isa::avx512) best = Isa::avx2;
   return best;
 }
 
@@ -76,8 +96,7 @@ bool amx_supported() {
 #if PG_X86
   static const bool ok = [] {
     if (active_isa() != Isa::avx512) return false;
-    if (const char* env = std::getenv("PORTABLE_GEMM_ISA"))
-      if (std::strcmp(env, "amx") != 0) return false;  // a forced lower path
+    if (isa_request_below(IsaRequest::amx)) return false;  // a forced lower path
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // amx-bf16, amx-tile
@@ -753,8 +772,7 @@ const KernelSet* bf16_kernel_set() {
   static const KernelSet* set = []() -> const KernelSet* {
 #if PG_X86
     if (active_isa() != Isa::avx512 || !cpu_has_avx512_bf16()) return nullptr;
-    if (const char* env = std::getenv("PORTABLE_GEMM_ISA"))
-      if (std::strcmp(env, "avx512") == 0) return nullptr;  // the fp32-conversion path
+    if (isa_request_below(IsaRequest::avx512_bf16)) return nullptr;  // the fp32-conversion path
     static KernelSet s{};
     s.mr = kAvx512MR;
     s.nr = kAvx512NR;
