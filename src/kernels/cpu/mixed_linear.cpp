@@ -552,8 +552,8 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
     const int64_t kend = (g + 1) * gs;
     for (int64_t k = g * gs; k < kend; k += step) {
       const int64_t byte = INT4 ? k / 2 : k;
-      // The first pass over a block of rows fetches the same k of the next block's rows,
-      // as small_block_avx2 does: at the end of a block the hardware prefetchers would
+      // The first pass over a block of rows fetches the same k of the next quad's rows
+      // (RowQuads: one row on), as small_block_avx2 does: at the end of a block the hardware prefetchers would
       // start those rows cold (an int4 row is 2 KB at K = 4096). On the 2-core AMX Xeon VM
       // (bench/CPU_NOTES.md 54, one process, 8 alternating rounds, weights rotated over
       // 960 MB) against 512 bytes ahead in the same row at M = 1 only: int4 g128 M = 4 took
@@ -561,7 +561,7 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
       // M = 1 int8 0.94x, int4 1.00x. Into L2 instead of L1: the same within noise.
       if (first_pass && (byte & 63) == 0)
         PG_UNROLL for (int r = 0; r < NB; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + byte + NB * w.row_stride, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + byte + w.row_stride, _MM_HINT_T0);
       if (INT4) {
         __m512 lo[NB], hi[NB];
         PG_UNROLL for (int r = 0; r < NB; ++r) {
@@ -648,7 +648,7 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
     for (int64_t k = g * gs; k < kend; k += step) {
       const int64_t byte = INT4 ? k / 2 : k;
       // The first pass over a block of rows (m0 = 0: later chunks of x find it in L1)
-      // fetches the same k of the next block of rows (as small_block_nib does), rather
+      // fetches the same k of the next quad's rows (RowQuads; as small_block_nib does), rather
       // than 512 bytes ahead in the same row (as it did before): each row is a short
       // stream, and at the end of a block the hardware prefetchers start the next block's
       // rows cold. On the AVX2 EPYC of bench/CPU_NOTES.md 32, M = 1 read its weights
@@ -660,7 +660,7 @@ PG_TARGET_AVX2 void small_block_avx2(const SmallJob& job, const int64_t* rows, i
       // int4, bound by its own instructions, was 1.03x slower with it.
       if (first_pass && (byte & 63) == 0)
         PG_UNROLL for (int r = 0; r < NB; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + byte + NB * w.row_stride,
+          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + byte + w.row_stride,
                        INT4 ? _MM_HINT_T0 : _MM_HINT_T1);
       __m256 lo[NB], hi[NB];
       PG_UNROLL for (int r = 0; r < NB; ++r) {
@@ -751,10 +751,10 @@ PG_TARGET_AVX2 void small_block_avx2_i4(const SmallJob& job, const int64_t* rows
     }
     const int64_t kend = std::min(kvec, (g + 1) * seg);
     for (int64_t k = g * seg; k < kend; k += 64) {
-      // As small_block_avx2: the same k of the next block of rows, once per 64 bytes.
+      // As small_block_avx2: the same k of the next quad's rows, once per 64 bytes.
       if ((k & 127) == 0)
         PG_UNROLL for (int r = 0; r < NB; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + k / 2 + NB * w.row_stride, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(q[r]) + k / 2 + w.row_stride, _MM_HINT_T0);
       PG_UNROLL for (int r = 0; r < NB; ++r) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + k / 2));
         const __m256i t = _mm256_and_si256(v, low4);
@@ -796,9 +796,9 @@ PG_TARGET_AVX2 void small_block_avx2_i4(const SmallJob& job, const int64_t* rows
 // the size of 136 |x| per weight instead of |q x|: an absolute error of about 2^-24 *
 // 136 * max|x| * scale per group. That stays far below the bf16 output rounding unless a
 // single x is ~1000x the typical one and its weight is 0.
-template <int MB, int NB, bool INT4>
+template <int MB, int NB, bool INT4, bool PREFETCH>
 PG_TARGET_AVX512_BF16 void small_block_nib(const SmallJob& job, const int64_t* rows, int64_t m0,
-                                           bool prefetch, float* out /* [NB][MB] */) {
+                                           float* out /* [NB][MB] */) {
   constexpr int64_t BK = INT4 ? 128 : 64;
   constexpr float kUnit = INT4 ? 1.f : 16.f;  // the sums are of q x / kUnit
   const QuantizedWeight& w = job.args->w;
@@ -813,7 +813,7 @@ PG_TARGET_AVX512_BF16 void small_block_nib(const SmallJob& job, const int64_t* r
   const int64_t ldxn = job.ldxn;
   const float* seed = job.seed + m0 * nseed * 16;
   const int64_t lds = nseed * 16;
-  const int64_t pf = NB * w.row_stride;  // the next block of rows (small_rows_nib)
+  const int64_t pf = w.row_stride;  // the same rows of the next quad (RowQuads)
   const __m512i low4 = _mm512_set1_epi16(0x000F);
   const __m512i c_lo = _mm512_set1_epi16(INT4 ? 0x4308 : 0x4300);
   const __m512i c_hi = _mm512_set1_epi16(0x4308);
@@ -834,8 +834,11 @@ PG_TARGET_AVX512_BF16 void small_block_nib(const SmallJob& job, const int64_t* r
       PG_UNROLL for (int r = 0; r < NB; ++r)
         raw[r] = _mm512_loadu_si512(q[r] + (INT4 ? k / 2 : k));
       // The hardware prefetchers alone keep too few lines in flight per core (each row
-      // is a short stream): fetch the same k of the next block of rows into L2 now.
-      if (prefetch)
+      // is a short stream): fetch the same k of the next quad's rows (RowQuads: the next
+      // row of each) into L2 now. PREFETCH: the first pass over these rows (m0 = 0); as a
+      // template argument, not a runtime flag, it took 0.97-0.98x the time at M = 1, and
+      // with RowQuads 0.79-0.88x where RowQuads alone took 0.91-0.97x (CPU_NOTES 61).
+      if (PREFETCH)
         PG_UNROLL for (int r = 0; r < NB; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(q[r]) + (INT4 ? k / 2 : k) + pf, _MM_HINT_T1);
       PG_UNROLL for (int j = 0; j < 4; ++j) {
@@ -898,18 +901,48 @@ bool avx2_i4_block(const SmallJob& job, const int64_t* rows, float* out) {
     }
   return false;
 }
+// The weight rows [n0, n1) of a thread in blocks of four ("quads"), one row from each
+// quarter of the range: quad i holds rows n0 + i, n0 + q + i, n0 + 2q + i and n0 + 3q + i
+// (q the quarter, rounded up; rows at or past n1 are left out, always the last ones of a
+// quad). A block's rows are then four streams, each through consecutive memory from one
+// quad to the next, and the blocks' prefetch of "the same k of the next quad" is one row
+// ahead. With four consecutive rows per block instead, at K = 2048 (1 KB int4 rows) the
+// four rows were four short streams in one 4 KB page, and the next block began four new
+// ones: the hardware prefetchers lost a fifth of the weight rate. On the 2-core AMX Xeon
+// VM (bench/CPU_NOTES.md 61; int4 g128 M = 1, N = 4096, one process, 4 rounds): 0.78x
+// the time at K = 2048, 0.89x at 4096, 1.00x at 8192 (4 KB rows).
+struct RowQuads {
+  int64_t n0, n1, q;
+  RowQuads(int64_t a, int64_t b) : n0(a), n1(b), q((b - a + 3) / 4) {}
+  // quad i's rows into rows[4]; returns how many there are (the rest repeat the last)
+  int at(int64_t i, int64_t* rows) const {
+    int nb = 0;
+    for (int r = 0; r < 4; ++r) {
+      const int64_t n = n0 + r * q + i;
+      if (n < n1) nb = r + 1;
+      rows[r] = n < n1 ? n : rows[nb - 1];
+    }
+    return nb;
+  }
+};
+
+// One block over the nb weight rows rows[0 .. nb) (at most NB) and the MB rows of x from
+// m0, into res (column rows[r] - n0).
 template <int MB, int NB, bool INT4, Blk B>
-void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, int64_t ldr,
-                int64_t n0) {
+void small_pass(const SmallJob& job, const int64_t* quad, int nb, int64_t m0, float* res,
+                int64_t ldr, int64_t n0) {
   int64_t rows[NB];
-  for (int r = 0; r < NB; ++r) rows[r] = n + std::min(r, nb - 1);
+  for (int r = 0; r < NB; ++r) rows[r] = quad[std::min(r, nb - 1)];
   float out[NB * MB];
   // The FMA blocks that scale every weight vector (more than 2 rows of x; on AVX-512 int8
   // only, as int4's lookup table holds the scale) take a per-channel scale on the results.
   constexpr bool scales_weights = MB > 2 && (B == Blk::avx2 || (B == Blk::avx512 && !INT4));
   const bool chan = scales_weights && job.args->w.group_size == 0;
   if constexpr (B == Blk::nib) {
-    small_block_nib<MB, NB, INT4>(job, rows, m0, m0 == 0, out);
+    if (m0 == 0)  // the first pass over these rows: it prefetches the next quad's
+      small_block_nib<MB, NB, INT4, true>(job, rows, m0, out);
+    else
+      small_block_nib<MB, NB, INT4, false>(job, rows, m0, out);
   } else if constexpr (B == Blk::avx512) {
     if (chan)
       small_block_avx512<MB, NB, INT4, scales_weights>(job, rows, m0, out);
@@ -922,20 +955,22 @@ void small_pass(const SmallJob& job, int64_t n, int nb, int64_t m0, float* res, 
       small_block_avx2<MB, NB, INT4, false>(job, rows, m0, out);
   }
   for (int r = 0; r < nb; ++r)
-    for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (n - n0) + r] = out[r * MB + m];
+    for (int m = 0; m < MB; ++m) res[(m0 + m) * ldr + (rows[r] - n0)] = out[r * MB + m];
 }
-// small_pass over the nb4 <= 4 weight rows from n, NB at a time.
+// small_pass over the nb4 <= 4 rows of a quad, NB at a time.
 template <int MB, int NB, bool INT4, Blk B>
-void small_passes(const SmallJob& job, int64_t n, int nb4, int64_t m0, float* res, int64_t ldr,
-                  int64_t n0) {
+void small_passes(const SmallJob& job, const int64_t* quad, int nb4, int64_t m0, float* res,
+                  int64_t ldr, int64_t n0) {
   for (int h = 0; h < nb4; h += NB)
-    small_pass<MB, NB, INT4, B>(job, n + h, std::min(NB, nb4 - h), m0, res, ldr, n0);
+    small_pass<MB, NB, INT4, B>(job, quad + h, std::min(NB, nb4 - h), m0, res, ldr, n0);
 }
 
 template <bool INT4>
 void small_rows_nib(const SmallJob& job, int64_t n0, int64_t n1, float* res, int64_t ldr) {
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int nb4 = int(std::min<int64_t>(4, n1 - n));
+  const RowQuads quads(n0, n1);
+  for (int64_t i = 0; i < quads.q; ++i) {
+    int64_t n[4];
+    const int nb4 = quads.at(i, n);
     int64_t m0 = 0;
     if constexpr (INT4) {
       if (job.m & 4) { small_passes<4, 2, INT4, Blk::nib>(job, n, nb4, m0, res, ldr, n0); m0 += 4; }
@@ -1149,8 +1184,10 @@ void small_rows_fma(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
   constexpr int NBS = Z ? 4 : 2;  // weight rows per block for 2 and 3 rows (see small_pass)
   const int64_t mc = job.m / C * C;
   const int64_t rest = job.m - mc;
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int nb4 = int(std::min<int64_t>(4, n1 - n));
+  const RowQuads quads(n0, n1);
+  for (int64_t i = 0; i < quads.q; ++i) {
+    int64_t n[4];
+    const int nb4 = quads.at(i, n);
     for (int64_t m0 = 0; m0 < mc; m0 += C) small_passes<C, 2, INT4, B>(job, n, nb4, m0, res, ldr, n0);
     int64_t m0 = mc;
     if constexpr (Z)
