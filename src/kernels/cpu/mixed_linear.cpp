@@ -909,8 +909,9 @@ bool avx2_i4_block(const SmallJob& job, const int64_t* rows, float* out) {
 // ahead. With four consecutive rows per block instead, at K = 2048 (1 KB int4 rows) the
 // four rows were four short streams in one 4 KB page, and the next block began four new
 // ones: the hardware prefetchers lost a fifth of the weight rate. On the 2-core AMX Xeon
-// VM (bench/CPU_NOTES.md 61; int4 g128 M = 1, N = 4096, one process, 4 rounds): 0.78x
-// the time at K = 2048, 0.89x at 4096, 1.00x at 8192 (4 KB rows).
+// VM (bench/CPU_NOTES.md 61; int4 g128 M = 1, one process, 5 rounds, with small_block_nib's
+// PREFETCH): 0.80x the time at K = 2048, 0.86-0.89x at 4096, 0.96-0.99x at 8192 and
+// 11008 (4-5.5 KB rows); int8 per channel M = 1 and 2, g128 M = 4: 0.98-0.99x.
 struct RowQuads {
   int64_t n0, n1, q;
   RowQuads(int64_t a, int64_t b) : n0(a), n1(b), q((b - a + 3) / 4) {}
