@@ -460,6 +460,11 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             if gflops(w) < dense_rate:
                 why = (f"bounded by our bf16 GEMM, which does {dense_rate:.0f} on the same shape right after the row, "
                        "plus the dequantisation of the weight")
+            elif "amx" in meta.get("isa", "") and meta.get("notes_section", 0) >= 61:
+                # on AMX the dense path runs the bf16 GEMM's tile kernel, not the vdpbf16ps one
+                why = (f"more than our bf16 GEMM on the same shape ({dense_rate:.0f}; it packs 2-byte weights); "
+                       "both run the same AMX tile kernel (32 x 32 of C), which ran at ~80% of its in-L1 rate in "
+                       "the bf16 GEMM's profile at 2048 (bench/CPU_NOTES.md 49, 60)")
             else:  # the int8 / int4 packer reads fewer bytes than the bf16 one: the GEMM is no bound
                 why = (f"more than our bf16 GEMM on the same shape ({dense_rate:.0f}; it packs 2-byte weights); "
                        "the same vdpbf16ps micro-kernel runs at its peak, and dequantising and packing take ~8% of "
