@@ -34,7 +34,7 @@ inline __m512i int4_table(float s_lo, float s_hi) {
 }
 
 enum Var { kShipped, kNoTable, kNoStore, kNoPrefetch, kSameRow, kNoPerm, kSteps, kStepsOnly,
-           kStepsLoads, kStepsDp, kQuad, kQuadSteps };
+           kStepsLoads, kStepsDp, kQuad, kQuadSteps, kOld, kOldSteps, kQuad2, kQuad2Steps };
 
 // One 32-k tile step of amx_rows at 16 rows of x (NT = 4): x's tile, then four weight tiles
 // of the other buffer into four accumulators.
@@ -83,7 +83,7 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
   __m512i sink = _mm512_setzero_si512();
   const bool more_k = k0 + kKc < K;
   for (int r = 0; r < kRows; ++r) {
-    if (V == kSteps && (r & 15) == 0) tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+    if ((V == kSteps || V == kOldSteps) && (r & 15) == 0) tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
     if (V == kStepsLoads && (r & 15) == 0)
       tile_step_loads(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
     if (V == kStepsDp && (r & 15) == 0) tile_step_dp();
@@ -94,6 +94,18 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
         _mm_prefetch(reinterpret_cast<const char*>(q + (k0 + kKc) / 2 + o), _MM_HINT_T2);
     __m512i lut = int4_table(1.f, 1.f);
     if (V != kNoTable) lut = int4_table(sc[r * (K / 128) + k0 / 128], sc[r * (K / 128) + k0 / 128]);
+    if (V == kQuad2 || V == kQuad2Steps) {
+      // Four nibbles a word with no masking: the table's halves are equal (one scale), and
+      // vpermw reads only an index's low five bits.
+      if (V == kQuad2Steps && (r & 15) == 0)
+        tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+      const __m512i wv = _mm512_loadu_si512(q + k0 / 2);
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(wv, lut));
+      _mm512_storeu_si512(dst + kNT * 512, _mm512_permutexvar_epi16(_mm512_srli_epi16(wv, 4), lut));
+      _mm512_storeu_si512(dst + 2 * kNT * 512, _mm512_permutexvar_epi16(_mm512_srli_epi16(wv, 8), lut));
+      _mm512_storeu_si512(dst + 3 * kNT * 512, _mm512_permutexvar_epi16(_mm512_srli_epi16(wv, 12), lut));
+      continue;
+    }
     if (V == kQuad || V == kQuadSteps) {
       // The block's 64 bytes as 32 words of four nibbles (k = 4j .. 4j + 3): vpermw reads the
       // low 5 bits of each index word, so each nibble is moved there, no zero-extension.
@@ -117,6 +129,9 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
       if (V == kNoPerm) {
         lo = _mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA);
         hi = _mm512_or_si512(_mm512_srli_epi16(wv, 4), sel);
+      } else if (V != kOld && V != kOldSteps) {  // the library's ONE blocks (one scale a row)
+        lo = _mm512_permutexvar_epi16(wv, lut);
+        hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(wv, 4), lut);
       } else {
         lo = _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA), lut);
         hi = _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(wv, 4), sel), lut);
@@ -220,6 +235,8 @@ int main(int argc, char** argv) {
   std::printf("%sK = %lld, %lld rows: int4 %lld KB, int8 %lld KB\n", amx ? "tiles configured; " : "", (long long)K, (long long)(cb * kRows),
               (long long)(w4.size() >> 10), (long long)(w8.size() >> 10));
   run("int4 shipped", int4_block<kShipped>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  run("int4 before 61 (masked)", int4_block<kOld>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+  run("int4 four nibbles, unmasked", int4_block<kQuad2>, w4.data(), K / 2, sc.data(), K, abuf, cb);
   run("int4 four nibbles a word", int4_block<kQuad>, w4.data(), K / 2, sc.data(), K, abuf, cb);
   run("int4 no table rebuild", int4_block<kNoTable>, w4.data(), K / 2, sc.data(), K, abuf, cb);
   run("int4 no stores", int4_block<kNoStore>, w4.data(), K / 2, sc.data(), K, abuf, cb);
@@ -229,6 +246,10 @@ int main(int argc, char** argv) {
   if (amx) {
     run("int4 tile steps only", int4_block<kStepsOnly>, w4.data(), K / 2, sc.data(), K, abuf, cb);
     run("int4 with tile steps", int4_block<kSteps>, w4.data(), K / 2, sc.data(), K, abuf, cb);
+    run("int4 before 61, with tile steps", int4_block<kOldSteps>, w4.data(), K / 2, sc.data(), K,
+        abuf, cb);
+    run("int4 four nibbles, unmasked, with steps", int4_block<kQuad2Steps>, w4.data(), K / 2,
+        sc.data(), K, abuf, cb);
     run("int4 four nibbles a word, with tile steps", int4_block<kQuadSteps>, w4.data(), K / 2,
         sc.data(), K, abuf, cb);
     run("int4 with their loads only", int4_block<kStepsLoads>, w4.data(), K / 2, sc.data(), K,
