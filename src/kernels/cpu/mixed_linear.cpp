@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/common.h"
 
@@ -1670,35 +1671,28 @@ struct AmxScales {
 // to the next; a trailing 32-k block (K % 64 == 32) takes its 16 even k, then its 16 odd
 // k (xpack_task packs x in the same order). Per 64 weights: a zero-extension, two table
 // lookups, a shift and two ORs, where converting through fp32 took fourteen vector
-// operations, most of them on one port.
-// ONE: the block lies in one group (or the scales are per channel), so one table serves the
-// whole row.
-template <int NT, bool ONE>
+// operations, most of them on one port. Blocks of kAmxKc k in one group take amx_rows_one.
+template <int NT>
 PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxScales& sc, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
   const bool gscale = sc.grouped;
   const __m512i sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1);
   const __m512i c0f = _mm512_set1_epi16(0x0F);
   __m512i lut = int4_table(1.f, 1.f);
-  if (ONE && gscale) lut = int4_table(sc.at(n, g[0]));
   int64_t glo = -1, ghi = -1;  // the groups the table is for (gscale)
   int64_t s = 0;
   for (; (s + 2) * 32 <= kc; s += 2) {
-    if (!ONE && gscale && (g[s] != glo || g[s + 1] != ghi)) {
+    if (gscale && (g[s] != glo || g[s + 1] != ghi)) {
       glo = g[s];
       ghi = g[s + 1];
       lut = int4_table(sc.at(n, glo), sc.at(n, ghi));
     }
     const __m512i wv = _mm512_cvtepu8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (k0 + s * 32) / 2)));
-    // ONE: both halves of the table are the same, and vpermw reads only an index's low five
-    // bits, so the nibbles need no masking and no half selector: 4 vector operations per 64
-    // weights instead of 6. On the 2-core Xeon VM 0.94-0.96x the time at 3-8 rows and
-    // 0.95-0.99x at 16 (int4 g128 and per channel, 4096^2 to 8192^2; CPU_NOTES 61).
-    const __m512i lo = ONE ? _mm512_permutexvar_epi16(wv, lut)
-                           : _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA), lut);
-    const __m512i hi = ONE ? _mm512_permutexvar_epi16(_mm512_srli_epi16(wv, 4), lut)
-                           : _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(wv, 4), sel), lut);
+    const __m512i lo =
+        _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA), lut);
+    const __m512i hi =
+        _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(wv, 4), sel), lut);
     _mm512_storeu_si512(dst + s * NT * 512, lo);
     _mm512_storeu_si512(dst + (s + 1) * NT * 512, hi);
   }
@@ -1716,15 +1710,14 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxScales& sc, const int6
 }
 
 // int8: 32 k per step through fp32 (a group scale, if any, applied there).
-template <int NT, bool ONE>
+template <int NT>
 PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxScales& sc, const int64_t* g, int64_t n,
                                 const uint8_t* q, int64_t k0, int64_t kc, uint16_t* dst) {
   const bool gscale = sc.grouped;
   __m512 sv = _mm512_set1_ps(1.f);
-  if (ONE && gscale) sv = _mm512_set1_ps(sc.at(n, g[0]));
   int64_t gcur = -1;
   for (int64_t s = 0; s < kc / 32; ++s) {
-    if (!ONE && gscale && g[s] != gcur) {
+    if (gscale && g[s] != gcur) {
       gcur = g[s];
       sv = _mm512_set1_ps(sc.at(n, gcur));
     }
@@ -1752,16 +1745,98 @@ struct AmxBlock {
   uint16_t* abuf;
 };
 
+// amx_dequant_rows for a whole block of kAmxKc k that lies in one group, or has
+// per-channel scales (applied to the results; S = void): rows [r0, r1), those with data
+// below rend, the rest zero; rows below rpf prefetch. Each row's scale is read as S, the
+// scales' dtype, chosen once per call. The general loop (the row helpers above) spent more
+// scalar instructions on a row than vector ones: the block's fields reloaded from the stack
+// after each buffer store, the dtype switch, the nend and prefetch tests, the buffer
+// address. Against it, on the 2-core Xeon VM (bench/CPU_NOTES.md 61): int4 0.93x the time
+// at 3-8 rows, 0.91-0.98x at 16, 0.84-0.88x at 32-64; int8 1.00x (bound by memory).
+// int4: both halves of the table are the same, and vpermw reads only an index's low five
+// bits, so the nibbles need no mask and no half selector, 4 vector operations per 64
+// weights instead of amx_int4_row's 6 (0.94-0.96x the time at 3-8 rows by itself).
+template <int NT, bool INT4, typename S>
+PG_TARGET_AMX PG_ALWAYS_INLINE void amx_rows_one(const AmxBlock& blk, int r0, int r1, int rend,
+                                                 int rpf) {
+  const int64_t row_stride = blk.row_stride;
+  const uint8_t* q = blk.data + (blk.nb + r0) * row_stride + (INT4 ? blk.k0 / 2 : blk.k0);
+  const uint8_t* pq = blk.data + (blk.nb + r0) * row_stride + blk.pf_off;
+  const int64_t pf_len = blk.pf_len;
+  [[maybe_unused]] const S* sp = nullptr;
+  [[maybe_unused]] int64_t sstride = 0;
+  if constexpr (!std::is_void_v<S>) {
+    sp = static_cast<const S*>(blk.sc.data) + (blk.nb + r0) * blk.sc.row_stride + blk.g[0];
+    sstride = blk.sc.row_stride;
+  }
+  uint16_t* dst = blk.abuf + r0 * 32;  // row r at (r / 16) * 512 + (r % 16) * 32
+  const __m512i ones = int4_table(1.f);
+  int r = r0;
+  for (; r < rend; ++r, q += row_stride, pq += row_stride, dst += 32) {
+    if (r < rpf)
+      for (int64_t o = 0; o < pf_len; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(pq + o), _MM_HINT_T2);
+    float scale = 1.f;
+    if constexpr (std::is_same_v<S, float>)
+      scale = *sp;
+    else if constexpr (std::is_same_v<S, uint16_t>)  // bf16
+      scale = bf16_to_f32(*sp);
+    else if constexpr (std::is_same_v<S, int16_t>)  // f16 (a distinct type to dispatch on)
+      scale = f16_to_f32(uint16_t(*sp));
+    if constexpr (!std::is_void_v<S>) sp += sstride;
+    if constexpr (INT4) {
+      const __m512i lut = std::is_void_v<S> ? ones : int4_table(scale);
+      PG_UNROLL for (int s = 0; s < kAmxKc / 32; s += 2) {
+        const __m512i wv = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + s * 16)));
+        _mm512_storeu_si512(dst + s * NT * 512, _mm512_permutexvar_epi16(wv, lut));
+        _mm512_storeu_si512(dst + (s + 1) * NT * 512,
+                            _mm512_permutexvar_epi16(_mm512_srli_epi16(wv, 4), lut));
+      }
+    } else {  // as amx_int8_row
+      const __m512 sv = _mm512_set1_ps(scale);
+      PG_UNROLL for (int s = 0; s < kAmxKc / 32; ++s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + s * 32));
+        __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+        __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+        if constexpr (!std::is_void_v<S>) {
+          f0 = _mm512_mul_ps(f0, sv);
+          f1 = _mm512_mul_ps(f1, sv);
+        }
+        _mm512_storeu_si512(dst + s * NT * 512, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+      }
+    }
+  }
+  for (; r < r1; ++r, dst += 32)  // channels at or past nend
+    for (int64_t s = 0; s < kAmxKc / 32; ++s)
+      _mm512_storeu_si512(dst + s * NT * 512, _mm512_setzero_si512());
+}
+
 // abuf[kstep][NT][16][32]: rows r in [r0, r1) of the block's 16 * NT, channels nb + r, k
 // in [k0, k0 + kc); channels at or past nend are zero. amx_rows calls it for a quarter of
 // the rows at a time, issuing the previous block's tile steps in between. Each row's next
 // kAmxPfBlocks blocks (or, after the last, the next channel block's first) are prefetched
 // into L2 on the way: with 32-64 rows read 64-128 bytes at a time, the hardware prefetchers
 // alone left the reads latency-bound (bench/CPU_NOTES.md 28, 58). One instantiation per bit
-// width; FULL for blocks of kAmxKc k (the row helpers' loops unroll), ONE for those in one
-// group or with per-channel scales (one table a row) (bench/CPU_NOTES.md 60).
+// width; FULL for blocks of kAmxKc k (the row helpers' loops unroll), FULL and ONE for those
+// in one group or with per-channel scales (amx_rows_one; bench/CPU_NOTES.md 60, 61).
 template <int NT, bool INT4, bool FULL, bool ONE>
 PG_TARGET_AMX PG_ALWAYS_INLINE void amx_dequant_rows(const AmxBlock& blk, int r0, int r1) {
+  if constexpr (FULL && ONE) {
+    const auto clamp = [&](int64_t v) { return int(std::max<int64_t>(r0, std::min<int64_t>(r1, v))); };
+    const int rend = clamp(blk.nend - blk.nb);
+    // the last block: rows from nend - 16 * NT prefetch nothing
+    const int rpf = blk.pf_last ? clamp(blk.nend - 16 * NT - blk.nb) : rend;
+    if (!blk.sc.grouped)
+      amx_rows_one<NT, INT4, void>(blk, r0, r1, rend, rpf);
+    else if (blk.sc.dtype == DType::f32)
+      amx_rows_one<NT, INT4, float>(blk, r0, r1, rend, rpf);
+    else if (blk.sc.dtype == DType::bf16)
+      amx_rows_one<NT, INT4, uint16_t>(blk, r0, r1, rend, rpf);
+    else
+      amx_rows_one<NT, INT4, int16_t>(blk, r0, r1, rend, rpf);
+    return;
+  }
   const uint8_t* const data = blk.data;
   const int64_t row_stride = blk.row_stride;
   const AmxScales sc = blk.sc;
@@ -1785,9 +1860,9 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_dequant_rows(const AmxBlock& blk, int r0
       for (int64_t o = 0; o < pf_len; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(q + pf_off + o), _MM_HINT_T2);
     if (INT4)
-      amx_int4_row<NT, ONE>(sc, g, n, q, k0, kc, dst);
+      amx_int4_row<NT>(sc, g, n, q, k0, kc, dst);
     else
-      amx_int8_row<NT, ONE>(sc, g, n, q, k0, kc, dst);
+      amx_int8_row<NT>(sc, g, n, q, k0, kc, dst);
   }
 }
 
