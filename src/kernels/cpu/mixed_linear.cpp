@@ -85,10 +85,20 @@ bool small_m_bf16(const MixedLinearArgs& a) {
 // Since section 60 (epilogue, x packing, one table a row) int4 moved down to 3 rows:
 // amx_linear took 0.82-0.93x the FMA blocks' time at 3 and 4 (g128 and per channel, K =
 // 4096-11008) and 1.03-1.09x at 2; int8 stays at 5 (1.10-1.14x at 3 and 4, 1.06x at 2).
+// Since section 61 (amx_rows_one for blocks in one group), int4 with groups of whole
+// blocks (a multiple of kAmxKc, fewer than K) takes it from 2 rows: 0.84-1.00x the FMA
+// blocks' time at M = 2 on six g128 shapes. Per channel (0.97-1.11x) and g64 (1.35x,
+// two groups a block) stay at 3.
 constexpr int64_t kAmxMinM = 5;      // int8
 constexpr int64_t kAmxMinMInt4 = 3;  // int4
+constexpr int64_t kAmxMinMInt4Groups = 2;  // int4, groups of whole blocks
+// k per block of amx_linear's dequantisation (64 or 128 bytes of each weight row;
+// bench/CPU_NOTES.md 58: blocks of 256 k were slower).
+constexpr int64_t kAmxKc = 128;
 inline int64_t amx_min_m(const QuantizedWeight& w) {
-  return w.bits == 4 ? kAmxMinMInt4 : kAmxMinM;
+  if (w.bits != 4) return kAmxMinM;
+  const bool whole_groups = w.group_size > 0 && w.group_size < w.k && w.group_size % kAmxKc == 0;
+  return whole_groups ? kAmxMinMInt4Groups : kAmxMinMInt4;
 }
 constexpr int64_t kAmxMaxM = 32;
 // Up to this M, amx_linear in even chunks of at most kAmxMaxM rows (amx_linear_chunks), each
@@ -1625,10 +1635,8 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
 // output tolerance). Only taken for bf16 x (f16 / f32 x would lose precision).
 
 #if PG_X86
-// k per dequantised block (64 or 128 bytes of each weight row), and the blocks of each row
-// prefetched into L2 ahead of it (amx_dequant, amx_rows; bench/CPU_NOTES.md 58: blocks of
-// 256 k, or one block ahead, were slower).
-constexpr int64_t kAmxKc = 128;
+// The blocks of each row prefetched into L2 ahead of it (amx_dequant, amx_rows;
+// bench/CPU_NOTES.md 58: one block ahead was slower; kAmxKc: see above).
 constexpr int64_t kAmxPfBlocks = 2;
 
 struct AmxJob {
