@@ -574,8 +574,9 @@ PG_TARGET_AVX512 void small_block_avx512(const SmallJob& job, const int64_t* row
     for (int64_t k = g * gs; k < kend; k += step) {
       const int64_t byte = INT4 ? k / 2 : k;
       // The first pass over a block of rows fetches the same k of the next quad's rows
-      // (RowQuads: one row on), as small_block_avx2 does: at the end of a block the hardware prefetchers would
-      // start those rows cold (an int4 row is 2 KB at K = 4096). On the 2-core AMX Xeon VM
+      // (RowQuads: one row on), as small_block_avx2 does: at the end of a block the hardware
+      // prefetchers would start those rows cold (an int4 row is 2 KB at K = 4096). Measured
+      // with the next block of consecutive rows (before RowQuads), on the 2-core AMX Xeon VM
       // (bench/CPU_NOTES.md 54, one process, 8 alternating rounds, weights rotated over
       // 960 MB) against 512 bytes ahead in the same row at M = 1 only: int4 g128 M = 4 took
       // 0.65-0.66x the time at K = 4096 and 0.94x at 8192; int8 M = 2 and 4 0.84-0.99x;
