@@ -1718,6 +1718,19 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int4_row(const AmxScales& sc, const int6
   }
 }
 
+// 32 int8 weights from p as bf16 through fp32, times sv when SCALED (exact when not).
+template <bool SCALED>
+PG_TARGET_AMX PG_ALWAYS_INLINE __m512i amx_int8_32(const uint8_t* p, __m512 sv) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+  __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+  if constexpr (SCALED) {
+    f0 = _mm512_mul_ps(f0, sv);
+    f1 = _mm512_mul_ps(f1, sv);
+  }
+  return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+}
+
 // int8: 32 k per step through fp32 (a group scale, if any, applied there).
 template <int NT>
 PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxScales& sc, const int64_t* g, int64_t n,
@@ -1730,14 +1743,8 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_int8_row(const AmxScales& sc, const int6
       gcur = g[s];
       sv = _mm512_set1_ps(sc.at(n, gcur));
     }
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k0 + s * 32));
-    __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-    __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-    if (gscale) {
-      f0 = _mm512_mul_ps(f0, sv);
-      f1 = _mm512_mul_ps(f1, sv);
-    }
-    _mm512_storeu_si512(dst + s * NT * 512, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+    _mm512_storeu_si512(dst + s * NT * 512, gscale ? amx_int8_32<true>(q + k0 + s * 32, sv)
+                                                   : amx_int8_32<false>(q + k0 + s * 32, sv));
   }
 }
 
@@ -1804,16 +1811,8 @@ PG_TARGET_AMX PG_ALWAYS_INLINE void amx_rows_one(const AmxBlock& blk, int r0, in
       }
     } else {  // as amx_int8_row
       const __m512 sv = _mm512_set1_ps(scale);
-      PG_UNROLL for (int s = 0; s < kAmxKc / 32; ++s) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + s * 32));
-        __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-        __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-        if constexpr (!std::is_void_v<S>) {
-          f0 = _mm512_mul_ps(f0, sv);
-          f1 = _mm512_mul_ps(f1, sv);
-        }
-        _mm512_storeu_si512(dst + s * NT * 512, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
-      }
+      PG_UNROLL for (int s = 0; s < kAmxKc / 32; ++s)
+        _mm512_storeu_si512(dst + s * NT * 512, amx_int8_32<!std::is_void_v<S>>(q + s * 32, sv));
     }
   }
   for (; r < r1; ++r, dst += 32)  // channels at or past nend
