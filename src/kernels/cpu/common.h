@@ -174,9 +174,11 @@ inline float activate(float x, Activation a) {
 
 // ---- fused epilogue ------------------------------------------------------------------
 
-// Writes c[i0 + i, j0 + j] = act(tile[i * ldt + j] + bias[j0 + j]) converted to c's dtype,
-// for i < m, j < n. bias is fp32 and contiguous (converted once per call), or null.
+// Writes c[i0 + i, j0 + j] = act(tile[i * ldt + j] * col_scale[j0 + j] + bias[j0 + j])
+// converted to c's dtype, for i < m, j < n. col_scale and bias are fp32 and contiguous
+// (bias converted once per call), or null (no scale, no bias).
 struct Epilogue {
+  const float* col_scale = nullptr;
   const float* bias = nullptr;
   Activation act = Activation::none;
   Matrix c;
@@ -249,6 +251,9 @@ struct DenseProblem {
   PackB pack_b_pairs = nullptr;
   const void* b_ctx = nullptr;
   const ConstMatrix* b_matrix = nullptr;  // B itself when it is a dense matrix (gemm)
+  // n fp32 factors, one per column of c, applied to a @ B before the bias (mixed_linear's
+  // per-channel scales, B then holding the unscaled integers), or null.
+  const float* col_scale = nullptr;
   const void* bias = nullptr;     // n elements of c's dtype, or null
   int64_t bias_stride = 1;
   Matrix c;                       // m x n

@@ -431,12 +431,13 @@ PG_TARGET_AVX512 inline __m256i to_bf16_avx512(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-// One output row with unit column stride: act(v + bias) rounded to t.
-PG_TARGET_AVX512 void store_row_avx512(const float* v, const float* bias, Activation act,
-                                       void* dst, DType t, int64_t n) {
+// One output row with unit column stride: act(v * scale + bias) rounded to t.
+PG_TARGET_AVX512 void store_row_avx512(const float* v, const float* scale, const float* bias,
+                                       Activation act, void* dst, DType t, int64_t n) {
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = first_lanes(n - j);
     __m512 x = _mm512_maskz_loadu_ps(m, v + j);
+    if (scale) x = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, scale + j));
     if (bias) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, bias + j));
     x = activate_avx512(x, act);
     switch (t) {
@@ -464,7 +465,8 @@ void Epilogue::store(const float* tile, int64_t ldt, int64_t i0, int64_t m, int6
     const int64_t es = int64_t(dtype_size(c.dtype));
     char* base = static_cast<char*>(c.data);
     for (int64_t i = 0; i < m; ++i)
-      store_row_avx512(tile + i * ldt, bias ? bias + j0 : nullptr, act,
+      store_row_avx512(tile + i * ldt, col_scale ? col_scale + j0 : nullptr,
+                       bias ? bias + j0 : nullptr, act,
                        base + ((i0 + i) * c.row_stride + j0) * es, c.dtype, n);
     return;
   }
@@ -478,12 +480,15 @@ void Epilogue::store(const float* tile, int64_t ldt, int64_t i0, int64_t m, int6
     for (int64_t j = 0; j < n; j += kChunk) {
       const int64_t cnt = std::min(kChunk, n - j);
       const float* v = src + j;
-      if (bias != nullptr || act != Activation::none) {
+      if (col_scale != nullptr || bias != nullptr || act != Activation::none) {
+        std::memcpy(tmp, v, size_t(cnt) * sizeof(float));
+        if (col_scale != nullptr) {
+          const float* sj = col_scale + j0 + j;
+          for (int64_t x = 0; x < cnt; ++x) tmp[x] *= sj[x];
+        }
         if (bias != nullptr) {
           const float* bj = bias + j0 + j;
-          for (int64_t x = 0; x < cnt; ++x) tmp[x] = v[x] + bj[x];
-        } else {
-          std::memcpy(tmp, v, size_t(cnt) * sizeof(float));
+          for (int64_t x = 0; x < cnt; ++x) tmp[x] += bj[x];
         }
         switch (act) {
           case Activation::relu:
@@ -1505,6 +1510,7 @@ bool dense_gemm(const DenseProblem& p, const Executor& exec) {
   Epilogue ep;
   ep.act = p.act;
   ep.c = p.c;
+  ep.col_scale = p.col_scale;
   if (p.bias != nullptr) {
     // The caller's scratch: workers only read it while the caller waits in parallel_for.
     float* b = scratch(3, size_t(p.n));

@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "cpu/common.h"
 
@@ -224,8 +225,10 @@ void dequant_segment(const uint8_t* q, int bits, int64_t k, int64_t len, float s
   if (even < len) o[even] = float(nibble(q, k + even)) * s;
 }
 
-// out[k] = dequant(w)(n, k0 + k) for k < kc.
-void dequant_row(const QuantizedWeight& w, int64_t n, int64_t k0, int64_t kc, float* out) {
+// out[k] = dequant(w)(n, k0 + k) for k < kc; with `scaled` false, the integers q alone
+// (per-channel scales applied to the GEMM's results instead, see QuantB).
+void dequant_row(const QuantizedWeight& w, int64_t n, int64_t k0, int64_t kc, float* out,
+                 bool scaled = true) {
   const uint8_t* q = static_cast<const uint8_t*>(w.data) + n * w.row_stride;
   const int64_t gs = w.group_size > 0 ? w.group_size : w.k;
   int64_t k = k0;
@@ -233,16 +236,27 @@ void dequant_row(const QuantizedWeight& w, int64_t n, int64_t k0, int64_t kc, fl
   while (k < kend) {
     const int64_t g = w.group_size > 0 ? k / gs : 0;
     const int64_t stop = std::min(kend, (g + 1) * gs);
-    dequant_segment(q, w.bits, k, stop - k, scale_at(w, n, g), out + (k - k0));
+    dequant_segment(q, w.bits, k, stop - k, scaled ? scale_at(w, n, g) : 1.f, out + (k - k0));
     k = stop;
   }
 }
+
+// The dense path's B: the weight, and whether its packers write it unscaled. Per-channel
+// weights are packed as their integers (exact in bf16 and fp32), and the dense GEMM's
+// epilogue multiplies each output column by its scale (DenseProblem::col_scale): fewer
+// operations per weight in the packers, and no rounding of q * s to bf16. Group scales
+// are applied in the packers.
+struct QuantB {
+  const QuantizedWeight* w;
+  bool unscaled;
+};
 
 // PackB over the dequantised weight: B(k, n) = dequant(w)(n, k). Weight rows are
 // dequantised 16 at a time into fp32 rows, then transposed into the sliver.
 void pack_b_quant(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc, int nr,
                   float* dst) {
-  const QuantizedWeight& w = *static_cast<const QuantizedWeight*>(ctx);
+  const QuantB& b = *static_cast<const QuantB*>(ctx);
+  const QuantizedWeight& w = *b.w;
   float* tmp = scratch(5, size_t(16 * kc));
   for (int64_t s = 0; s * nr < nc; ++s) {
     float* d = dst + s * kc * nr;
@@ -252,7 +266,7 @@ void pack_b_quant(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t n
       const int n = int(std::max<int64_t>(0, std::min<int64_t>(lanes, cols - h)));
       const void* rp[16];
       for (int j = 0; j < n; ++j) {
-        dequant_row(w, n0 + s * nr + h + j, k0, kc, tmp + j * kc);
+        dequant_row(w, n0 + s * nr + h + j, k0, kc, tmp + j * kc, !b.unscaled);
         rp[j] = tmp + j * kc;
       }
       pack_rows_transposed(rp, n, DType::f32, kc, d + h, nr, lanes);
@@ -273,17 +287,33 @@ PG_TARGET_AVX512_BF16 void round_row_bf16(const float* src, int64_t n, uint16_t*
   for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
+// vpshufb index: byte b of each 32-bit lane to the lane's top byte, its other bytes zero.
+PG_TARGET_AVX512_BF16 inline __m512i byte_to_top_avx512(int b) {
+  return _mm512_add_epi32(_mm512_set1_epi32(0x00808080 | (b << 24)),
+                          _mm512_set4_epi32(12 << 24, 8 << 24, 4 << 24, 0));
+}
+
 // Elements of one 32-bit word of a weight row: 8 nibbles or 4 bytes.
 constexpr int64_t word_elems(int bits) { return bits == 4 ? 8 : 4; }
 
 // The fused form: 16 weight rows (rows >= nrows are zero) straight from their quantised
 // bytes to pair units, in one pass. 64 bytes of each row (128 k of int4, 64 of int8) are
 // loaded and transposed as 16 x 16 32-bit words, so that lane r of word vector i holds
-// word i of row r; each pair of elements in it is then sign-extended, converted, scaled
-// (the same fp32 multiply as dequant_segment), rounded to bf16 two vectors at a time and
-// interleaved into units. Bit for bit the result of the row-by-row path below it. Needs
-// an even kc and scale groups of whole words (see quant_pairs_fused_ok).
-template <int BITS>
+// word i of row r. SCALED: each pair of elements in it is then sign-extended, converted,
+// scaled (the same fp32 multiply as dequant_segment), rounded to bf16 two vectors at a time
+// and interleaved into units. Unscaled (QuantB), each unit is built in place:
+// - int4: one vpermw into a table of the 16 nibble values in bf16, its index the pair's
+//   two nibbles moved to the bottom of the unit's two halves (vpermw reads an index's low
+//   five bits, and the table's two halves are the same, so nothing is masked);
+// - int8: each byte moved to the top of a lane (vpshufb), shifted down arithmetically and
+//   converted; the float's upper half is its bf16 (exact: 8 significant bits), and one
+//   blend joins the two halves.
+// A vector of 16 units (32 weights) then takes 7-8 vector operations for int8 and 3-4 for
+// int4, none a multiply, against 10. The call gained less (0.95-1.00x the time at M = 256
+// on the 2-core Xeon VM, bench/CPU_NOTES.md 62): the packer waits mostly on its loads. Bit
+// for bit the result of the row-by-row path below it. Needs an even kc and scale groups of
+// whole words (see quant_pairs_fused_ok).
+template <int BITS, bool SCALED>
 PG_TARGET_AVX512_BF16 void pack_quant_pairs_avx512(const QuantizedWeight& w, int64_t n0,
                                                    int nrows, int64_t k0, int64_t kc,
                                                    uint32_t* dst, int64_t ld, int lanes) {
@@ -297,6 +327,13 @@ PG_TARGET_AVX512_BF16 void pack_quant_pairs_avx512(const QuantizedWeight& w, int
                                                        21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
                                                        11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
+  // Unscaled int4: words 0-15 and 16-31 the signed nibbles 0..7, -8..-1 in bf16.
+  const __m512 nib = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i nib_table = (__m512i)_mm512_cvtne2ps_pbh(nib, nib);
+  // Unscaled int8, vpshufb indices: byte b of each 32-bit lane to the lane's top byte, the
+  // rest zero (index bit 7).
+  const __m512i top_b0 = byte_to_top_avx512(0), top_b1 = byte_to_top_avx512(1),
+                top_b2 = byte_to_top_avx512(2);
   const uint8_t* q = static_cast<const uint8_t*>(w.data);
   int64_t group = -1;
   __m512 sv = _mm512_setzero_ps();
@@ -324,7 +361,7 @@ PG_TARGET_AVX512_BF16 void pack_quant_pairs_avx512(const QuantizedWeight& w, int
     const int64_t nwords = (nk + we - 1) / we;
     for (int64_t i = 0; i < nwords; ++i) {
       const int64_t kw = k0 + kk + i * we;  // first element of word i
-      if (kw / gs != group) {
+      if (SCALED && kw / gs != group) {
         group = kw / gs;
         alignas(64) float s[16] = {};  // rows past nrows: 0, so their units are 0
         for (int r = 0; r < nrows; ++r) s[r] = scale_at(w, n0 + r, group);
@@ -335,6 +372,24 @@ PG_TARGET_AVX512_BF16 void pack_quant_pairs_avx512(const QuantizedWeight& w, int
       const int64_t npairs = std::min<int64_t>(we / 2, kp - p0);
       PG_UNROLL for (int j = 0; j < we / 2; ++j) {
         if (j >= npairs) break;
+        if constexpr (!SCALED) {
+          __m512i unit;
+          if (BITS == 4) {  // index: low nibble of byte j in bits 0-3, its high one in 16-19
+            const __m512i a = j == 0 ? t : _mm512_srli_epi32(t, 8 * j);
+            const __m512i b =
+                j < 2 ? _mm512_slli_epi32(t, 12 - 8 * j) : _mm512_srli_epi32(t, 8 * j - 12);
+            unit = _mm512_permutexvar_epi16(_mm512_mask_blend_epi16(0xAAAAAAAA, a, b), nib_table);
+          } else {  // bytes 2j and 2j + 1
+            const __m512i lo = _mm512_srai_epi32(_mm512_shuffle_epi8(t, j == 0 ? top_b0 : top_b2), 24);
+            const __m512i hi =
+                j == 0 ? _mm512_srai_epi32(_mm512_shuffle_epi8(t, top_b1), 24) : _mm512_srai_epi32(t, 24);
+            const __m512i lof = _mm512_castps_si512(_mm512_cvtepi32_ps(lo));
+            const __m512i hif = _mm512_castps_si512(_mm512_cvtepi32_ps(hi));
+            unit = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(lof, 16), hif);
+          }
+          _mm512_mask_storeu_epi32(dst + (p0 + j) * ld, store_mask, unit);
+          continue;
+        }
         __m512i lo, hi;
         if (BITS == 4) {  // nibbles 2j (low half of byte j) and 2j + 1 (its high half)
           lo = _mm512_srai_epi32(_mm512_slli_epi32(t, 28 - 8 * j), 28);
@@ -363,7 +418,8 @@ bool quant_pairs_fused_ok(const QuantizedWeight& w, int64_t k0, int64_t kc) {
 
 void pack_b_quant_pairs(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int64_t nc, int nr,
                         float* dst_f) {
-  const QuantizedWeight& w = *static_cast<const QuantizedWeight*>(ctx);
+  const QuantB& b = *static_cast<const QuantB*>(ctx);
+  const QuantizedWeight& w = *b.w;
   uint32_t* dst = reinterpret_cast<uint32_t*>(dst_f);
   const int64_t kp = (kc + 1) / 2;
 #if PG_X86
@@ -381,15 +437,23 @@ void pack_b_quant_pairs(const void* ctx, int64_t k0, int64_t kc, int64_t n0, int
       uint32_t* d = dst + s * kp * nr + h;
 #if PG_X86
       if (fused) {
-        if (w.bits == 4)
-          pack_quant_pairs_avx512<4>(w, n0 + s * nr + h, n, k0, kc, d, nr, lanes);
-        else
-          pack_quant_pairs_avx512<8>(w, n0 + s * nr + h, n, k0, kc, d, nr, lanes);
+        const int64_t c0 = n0 + s * nr + h;
+        if (b.unscaled) {
+          if (w.bits == 4)
+            pack_quant_pairs_avx512<4, false>(w, c0, n, k0, kc, d, nr, lanes);
+          else
+            pack_quant_pairs_avx512<8, false>(w, c0, n, k0, kc, d, nr, lanes);
+        } else {
+          if (w.bits == 4)
+            pack_quant_pairs_avx512<4, true>(w, c0, n, k0, kc, d, nr, lanes);
+          else
+            pack_quant_pairs_avx512<8, true>(w, c0, n, k0, kc, d, nr, lanes);
+        }
         continue;
       }
 #endif
       for (int j = 0; j < n; ++j) {
-        dequant_row(w, n0 + s * nr + h + j, k0, kc, tmp);
+        dequant_row(w, n0 + s * nr + h + j, k0, kc, tmp, !b.unscaled);
 #if PG_X86
         round_row_bf16(tmp, kc, rows + j * kc);
 #else
@@ -2209,6 +2273,11 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
     if (M <= small_m_max_rows(args) || K == 0) {
       ok = small_m(args, exec);
     } else {
+      // Per channel: the packers write q, and the epilogue multiplies by the scales.
+      const bool per_channel = args.w.group_size == 0 || args.w.group_size >= K;
+      const QuantB b{&args.w, per_channel};
+      std::vector<float> col_scale(per_channel ? size_t(N) : 0);
+      for (int64_t n = 0; n < int64_t(col_scale.size()); ++n) col_scale[n] = scale_at(args.w, n, 0);
       DenseProblem p;
       p.m = M;
       p.n = N;
@@ -2216,7 +2285,8 @@ Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
       p.a = args.x;
       p.pack_b = pack_b_quant;
       if (pairs) p.pack_b_pairs = pack_b_quant_pairs;
-      p.b_ctx = &args.w;
+      p.b_ctx = &b;
+      if (per_channel) p.col_scale = col_scale.data();
       p.bias = args.bias;
       p.bias_stride = args.bias_stride;
       p.c = args.y;
