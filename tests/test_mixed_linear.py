@@ -154,6 +154,29 @@ def test_mixed_linear_k_blocks(device, bits, group, k):
                      label=f"M={m} K={k}")
 
 
+@pytest.mark.parametrize("bits,group,k", [(8, None, 4224), (8, None, 4225), (4, None, 4224), (4, 128, 4224),
+                                           (8, 64, 4224)], ids=lambda v: str(v))
+def test_mixed_linear_dense_k_blocks(bits, group, k):
+    """The CPU's dense path (M over the small-M and AMX routes): per channel the packers write
+    the integers and the GEMM's epilogue multiplies each column by its scale, before the bias
+    and the activation; groups are applied in the packers. M = 130 and 256 are tasks of at
+    most 256 rows (on AMX: K in blocks of at most 2048, here 3 of 1408, and B in
+    blocks of 256 columns, 300 a task on 2 threads); M = 300 takes row chunks of 256 and 44.
+    K = 4225 (int8 only: int4 needs an even K) leaves the AMX kernel and the fused packer, so
+    the row-by-row packer writes the integers. x in each CPU dtype: f32 and f16 x take the
+    fp32 kernels and their packer."""
+    n = 600
+    q, s = pg.quantize_weight(rand((n, k), torch.float32), bits=bits, group_size=group)
+    wd = dequant_ref(q, s, bits, group)
+    for dtype in X_DTYPES["cpu"]:
+        bias = rand((n,), dtype, "cpu")
+        for m in (130, 256, 300):
+            x = rand((m, k), dtype, "cpu")
+            out = pg.mixed_linear(x, q, s, bits=bits, group_size=group, bias=bias, activation="silu")
+            ref = act_ref(x.double() @ wd.T + bias.double(), "silu")
+            assert_close(out, ref, dtype, TOL[dtype], label=f"{dtype} M={m} K={k}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group,mnk", [
     (bits, group, mnk)

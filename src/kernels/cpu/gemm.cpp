@@ -1189,14 +1189,25 @@ bool kin_order(const DenseJob& job, int64_t rows, int64_t ncb) {
          K * ncb * 2 <= kKinBMax;
 }
 
+// K up to kKinWholeK: one K block, and column blocks narrow enough that B for all of K
+// (kKinWholeB bytes) stays in L2 while every row chunk passes it; no partial sums through
+// memory. Against blocks of kKinKc and 1024 columns on the 2-core Xeon VM (bench/CPU_NOTES.md
+// 62; call-by-call pairs): 2048^3 0.92x, 4096^3 0.95x the time.
+constexpr int64_t kKinWholeK = 4096, kKinWholeB = int64_t(1) << 20;
+
+bool kin_whole_k(int64_t K) { return K <= kKinWholeK; }
+
 void run_block_kin(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi) {
   const DenseProblem& p = *job.p;
   const KernelSet& ks = *job.ks;
   const int mr = ks.mr, nr = ks.nr;
   const int64_t K = p.k;
-  const int64_t npc = (K + kKinKc - 1) / kKinKc;
+  const bool whole = kin_whole_k(K);
+  const int64_t npc = whole ? 1 : (K + kKinKc - 1) / kKinKc;
   const int64_t kcb = round_up((K + npc - 1) / npc, 32), kub = kcb / 2;  // K % 32 == 0
-  const int64_t ncb = std::min(ks.nc, round_up(n_hi - n_lo, nr));
+  const int64_t nc_max =
+      whole ? std::max<int64_t>(4 * nr, kKinWholeB / (2 * K) / nr * nr) : ks.nc;
+  const int64_t ncb = std::min(nc_max, round_up(n_hi - n_lo, nr));
   float* bp = scratch(0, size_t(npc * kub * ncb));
   // The partial sums' rows are padded by 16 floats: with ncb = 1024 the 16 rows of a tile
   // load or store lie 4 KB apart, in one L1 set. Padded: 0.96-0.98x the time at 2048^3 to
@@ -1234,15 +1245,30 @@ void run_block_kin(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo
   }
 }
 
+// AMX, a task of at most kKinRows rows (the weight-only GEMMs of M = 97..256, one row
+// chunk): K in blocks of up to kFewRowsKc and B in blocks of kFewRowsNc columns instead of
+// 512 and 1024. The B panel stays 1 MB, the partial sums shrink from 1 MB to 272 KB, and
+// they pass through memory a quarter as often; with 512 x 1024 both (2.3 MB with A's
+// sliver) did not fit the 2 MB L2 together. On the 2-core Xeon VM (bench/CPU_NOTES.md 62;
+// one process, 4 rounds), the weight-only dense path's time: M = 256 int8 per channel
+// 0.88-0.90x (K = 4096, 11008), int4 g128 0.86-0.87x (8192 x 28672); M = 128 0.83x.
+// kc 1024 or nc 512 gained about half as much; a B panel of 2 MB (kc 2048 x nc 512, kc 4096
+// x nc 256) took 1.3-1.4x the time.
+constexpr int64_t kFewRowsKc = 2048, kFewRowsNc = 256;
+
+bool few_rows_blocks(const KernelSet& ks, int64_t rows) { return ks.amx && rows <= kKinRows; }
+
 void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi) {
   const DenseProblem& p = *job.p;
   const KernelSet& ks = *job.ks;
   const int mr = ks.mr, nr = ks.nr;
   const int64_t K = p.k;
   // Even kc blocks: a K of 400 becomes 2 x 200, not 384 + 16.
-  const int64_t npc = K <= ks.kc_whole ? 1 : (K + ks.kc - 1) / ks.kc;
+  const bool few = few_rows_blocks(ks, m_hi - m_lo);
+  const int64_t kc_max = few ? kFewRowsKc : ks.kc;
+  const int64_t npc = K <= ks.kc_whole ? 1 : (K + kc_max - 1) / kc_max;
   const int64_t kcb = round_up((K + npc - 1) / npc, ks.amx ? 32 : 4);  // AMX: K % 32 == 0
-  const int64_t ncb = std::min(ks.nc, round_up(n_hi - n_lo, nr));
+  const int64_t ncb = std::min(few ? kFewRowsNc : ks.nc, round_up(n_hi - n_lo, nr));
   if (kin_order(job, m_hi - m_lo, ncb)) return run_block_kin(job, m_lo, m_hi, n_lo, n_hi);
   // Row chunks of even size: 2048 rows become 2 x 1032, not 2040 + 8 (each chunk packs
   // the B panels again).
