@@ -1192,7 +1192,8 @@ bool kin_order(const DenseJob& job, int64_t rows, int64_t ncb) {
 // K up to kKinWholeK: one K block, and column blocks narrow enough that B for all of K
 // (kKinWholeB bytes) stays in L2 while every row chunk passes it; no partial sums through
 // memory. Against blocks of kKinKc and 1024 columns on the 2-core Xeon VM (bench/CPU_NOTES.md
-// 62; call-by-call pairs): 2048^3 0.92x, 4096^3 0.95x the time.
+// 62; call-by-call pairs): 2048^3 0.88x the time, 3072^3 0.90x, 4096^3 0.93-1.00x,
+// 4096 x 4096 x 1536 0.84x. K in blocks of 2048 with 256 columns at every K: 4096^3 1.04x.
 constexpr int64_t kKinWholeK = 4096, kKinWholeB = int64_t(1) << 20;
 
 bool kin_whole_k(int64_t K) { return K <= kKinWholeK; }
