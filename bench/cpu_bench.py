@@ -361,7 +361,12 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             row(f"{dt} gemm >= 0.9x torch.matmul at 1024-4096",
                 ", ".join(f"{r['size']}: {r['ratio']:.2f}x" for r in rs), worst >= 0.9,
                 f"ours {max(r['ours_GFLOPs'] for r in rs):.0f} vs torch {best_torch:.0f} GFLOP/s on 2 cores"
-                + (("; on AMX the tile kernel (32 x 32 of C) takes ~83% of the call at 2048 and runs at ~80% "
+                + (("; on AMX the tile kernel (32 x 32 of C) takes ~76% of the call at 2048, at about its "
+                    "in-L1 rate (~2 TFLOP/s a core); packing A and B take ~11% and the epilogue's stores ~6% "
+                    "(a perf profile; a pipelined epilogue and a prefetch of C's lines did not help, "
+                    "bench/CPU_NOTES.md 62)"
+                    if "amx" in meta.get("isa", "") and meta.get("notes_section", 0) >= 62 else
+                    "; on AMX the tile kernel (32 x 32 of C) takes ~83% of the call at 2048 and runs at ~80% "
                     "of its in-L1 rate; the rest is packing and the bf16 stores (a perf profile, "
                     "bench/CPU_NOTES.md 49, 60)"
                     if "amx" in meta.get("isa", "") and meta.get("notes_section", 0) >= 60 else
@@ -460,6 +465,11 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             if gflops(w) < dense_rate:
                 why = (f"bounded by our bf16 GEMM, which does {dense_rate:.0f} on the same shape right after the row, "
                        "plus the dequantisation of the weight")
+            elif "amx" in meta.get("isa", "") and meta.get("notes_section", 0) >= 62:
+                # since section 62 tasks of <= 256 rows take their own blocks (1 MB of B panel)
+                why = (f"more than our bf16 GEMM on the same shape ({dense_rate:.0f}; it packs 2-byte weights); "
+                       "both run the same AMX tile kernel (32 x 32 of C) in blocks of 2048 k x 256 columns "
+                       "that fit L2 (bench/CPU_NOTES.md 62)")
             elif "amx" in meta.get("isa", "") and meta.get("notes_section", 0) >= 61:
                 # on AMX the dense path runs the bf16 GEMM's tile kernel, not the vdpbf16ps one
                 why = (f"more than our bf16 GEMM on the same shape ({dense_rate:.0f}; it packs 2-byte weights); "
