@@ -34,7 +34,8 @@ inline __m512i int4_table(float s_lo, float s_hi) {
 }
 
 enum Var { kShipped, kNoTable, kNoStore, kNoPrefetch, kSameRow, kNoPerm, kSteps, kStepsOnly,
-           kStepsLoads, kStepsDp, kQuad, kQuadSteps, kOld, kOldSteps, kQuad2, kQuad2Steps };
+           kStepsLoads, kStepsDp, kQuad, kQuadSteps, kOld, kOldSteps, kQuad2, kQuad2Steps,
+           kNoPermSteps };
 
 // One 32-k tile step of amx_rows at 16 rows of x (NT = 4): x's tile, then four weight tiles
 // of the other buffer into four accumulators.
@@ -83,7 +84,7 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
   __m512i sink = _mm512_setzero_si512();
   const bool more_k = k0 + kKc < K;
   for (int r = 0; r < kRows; ++r) {
-    if ((V == kSteps || V == kOldSteps) && (r & 15) == 0) tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+    if ((V == kSteps || V == kOldSteps || V == kNoPermSteps) && (r & 15) == 0) tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
     if (V == kStepsLoads && (r & 15) == 0)
       tile_step_loads(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
     if (V == kStepsDp && (r & 15) == 0) tile_step_dp();
@@ -126,7 +127,7 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
       const __m512i wv = _mm512_cvtepu8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (k0 + s * 32) / 2)));
       __m512i lo, hi;
-      if (V == kNoPerm) {
+      if (V == kNoPerm || V == kNoPermSteps) {  // the cost of the offset form (bf16 0x4300 | u)
         lo = _mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA);
         hi = _mm512_or_si512(_mm512_srli_epi16(wv, 4), sel);
       } else if (V != kOld && V != kOldSteps) {  // the library's ONE blocks (one scale a row)
@@ -252,6 +253,8 @@ int main(int argc, char** argv) {
         sc.data(), K, abuf, cb);
     run("int4 four nibbles a word, with tile steps", int4_block<kQuadSteps>, w4.data(), K / 2,
         sc.data(), K, abuf, cb);
+    run("int4 no vpermw, with tile steps", int4_block<kNoPermSteps>, w4.data(), K / 2, sc.data(), K,
+        abuf, cb);
     run("int4 with their loads only", int4_block<kStepsLoads>, w4.data(), K / 2, sc.data(), K,
         abuf, cb);
     run("int4 with their tdpbf16ps only", int4_block<kStepsDp>, w4.data(), K / 2, sc.data(), K,
