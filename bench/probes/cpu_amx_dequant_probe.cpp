@@ -35,7 +35,7 @@ inline __m512i int4_table(float s_lo, float s_hi) {
 
 enum Var { kShipped, kNoTable, kNoStore, kNoPrefetch, kSameRow, kNoPerm, kSteps, kStepsOnly,
            kStepsLoads, kStepsDp, kQuad, kQuadSteps, kOld, kOldSteps, kQuad2, kQuad2Steps,
-           kNoPermSteps };
+           kNoPermSteps, kNoPermStepsScaled };
 
 // One 32-k tile step of amx_rows at 16 rows of x (NT = 4): x's tile, then four weight tiles
 // of the other buffer into four accumulators.
@@ -67,6 +67,31 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void tile_step_dp() {
   _tile_dpbf16ps(3, 5, 6);
 }
 alignas(64) uint16_t g_x[4 * 512];  // x's tiles of a block (zero: only the time counts)
+alignas(64) float g_ctile[4][256];  // a block's four accumulator tiles, stored
+alignas(64) float g_acc[64][16];    // fp32 sums of 64 channels x 16 rows of x
+alignas(64) float g_xsum[16];       // the group's sums of x (the offset's correction)
+
+// What group scales would cost the offset form (kNoPermStepsScaled): per block, its four
+// tiles stored and each channel's 16 sums scaled into fp32 accumulators with the offset
+// taken off, acc += s * (tile - 136 * xsum); the tiles zeroed for the next group.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void scale_block(const float* sc) {
+  _tile_stored(0, g_ctile[0], 64);
+  _tile_stored(1, g_ctile[1], 64);
+  _tile_stored(2, g_ctile[2], 64);
+  _tile_stored(3, g_ctile[3], 64);
+  const __m512 xs = _mm512_mul_ps(_mm512_load_ps(g_xsum), _mm512_set1_ps(-136.f));
+  for (int t = 0; t < 4; ++t)
+    for (int c = 0; c < 16; ++c) {
+      const __m512 s = _mm512_set1_ps(sc[t * 16 + c]);
+      float* a = g_acc[t * 16 + c];
+      _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_add_ps(_mm512_load_ps(g_ctile[t] + c * 16), xs), s,
+                                         _mm512_load_ps(a)));
+    }
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
 
 template <int V>
 __attribute__((noinline, target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
@@ -84,7 +109,7 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
   __m512i sink = _mm512_setzero_si512();
   const bool more_k = k0 + kKc < K;
   for (int r = 0; r < kRows; ++r) {
-    if ((V == kSteps || V == kOldSteps || V == kNoPermSteps) && (r & 15) == 0) tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+    if ((V == kSteps || V == kOldSteps || V == kNoPermSteps || V == kNoPermStepsScaled) && (r & 15) == 0) tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
     if (V == kStepsLoads && (r & 15) == 0)
       tile_step_loads(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
     if (V == kStepsDp && (r & 15) == 0) tile_step_dp();
@@ -127,7 +152,7 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
       const __m512i wv = _mm512_cvtepu8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (k0 + s * 32) / 2)));
       __m512i lo, hi;
-      if (V == kNoPerm || V == kNoPermSteps) {  // the cost of the offset form (bf16 0x4300 | u)
+      if (V == kNoPerm || V == kNoPermSteps || V == kNoPermStepsScaled) {  // the cost of the offset form (bf16 0x4300 | u)
         lo = _mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA);
         hi = _mm512_or_si512(_mm512_srli_epi16(wv, 4), sel);
       } else if (V != kOld && V != kOldSteps) {  // the library's ONE blocks (one scale a row)
@@ -145,6 +170,7 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
       }
     }
   }
+  if (V == kNoPermStepsScaled) scale_block(sc + k0 / 128);
   return sink;
 }
 
@@ -255,6 +281,8 @@ int main(int argc, char** argv) {
         sc.data(), K, abuf, cb);
     run("int4 no vpermw, with tile steps", int4_block<kNoPermSteps>, w4.data(), K / 2, sc.data(), K,
         abuf, cb);
+    run("int4 no vpermw, steps, group scales", int4_block<kNoPermStepsScaled>, w4.data(), K / 2,
+        sc.data(), K, abuf, cb);
     run("int4 with their loads only", int4_block<kStepsLoads>, w4.data(), K / 2, sc.data(), K,
         abuf, cb);
     run("int4 with their tdpbf16ps only", int4_block<kStepsDp>, w4.data(), K / 2, sc.data(), K,
