@@ -287,6 +287,11 @@ PG_TARGET_AVX512_BF16 void round_row_bf16(const float* src, int64_t n, uint16_t*
   for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
+// Entry i: the signed nibble i (i < 8 ? i : i - 16), for vpermps lookups of int4 values.
+PG_TARGET_AVX512 inline __m512 nibble_table() {
+  return _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+}
+
 // vpshufb index: byte b of each 32-bit lane to the lane's top byte, its other bytes zero.
 PG_TARGET_AVX512_BF16 inline __m512i byte_to_top_avx512(int b) {
   return _mm512_add_epi32(_mm512_set1_epi32(0x00808080 | (b << 24)),
@@ -328,8 +333,7 @@ PG_TARGET_AVX512_BF16 void pack_quant_pairs_avx512(const QuantizedWeight& w, int
                                                        11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
   // Unscaled int4: words 0-15 and 16-31 the signed nibbles 0..7, -8..-1 in bf16.
-  const __m512 nib = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i nib_table = (__m512i)_mm512_cvtne2ps_pbh(nib, nib);
+  const __m512i nib_table = (__m512i)_mm512_cvtne2ps_pbh(nibble_table(), nibble_table());
   // Unscaled int8, vpshufb indices: byte b of each 32-bit lane to the lane's top byte, the
   // rest zero (index bit 7).
   const __m512i top_b0 = byte_to_top_avx512(0), top_b1 = byte_to_top_avx512(1),
@@ -587,11 +591,6 @@ struct FmaRows {
 };
 
 #if PG_X86
-// Entry i: the signed nibble i (i < 8 ? i : i - 16), for vpermps lookups of int4 values.
-PG_TARGET_AVX512 inline __m512 nibble_table() {
-  return _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
-}
-
 // NB weight rows x MB rows of x. int8: 16 k per step. int4: 32 k per step from 16 bytes;
 // the low nibbles (even k) and high nibbles (odd k) land in two vectors, so x was
 // stored permuted per 32-block (16 even k, then 16 odd k) and no shuffles are needed.
