@@ -33,7 +33,7 @@ WEIGHT_SHAPES = [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (819
 MS = [1, 2, 4, 8, 16, 32, 64, 256]
 # The section of bench/CPU_NOTES.md that describes the kernels this version of the bench was
 # written for; each run records it, so a table's bound texts name what held that run's code.
-NOTES_SECTION = 62
+NOTES_SECTION = 63
 
 
 def sysfs_caches() -> list[tuple[str, str, str]]:
@@ -375,6 +375,12 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
                     if "amx" in meta.get("isa", "") else
                     "; the micro-kernel alone runs at the vdpbf16ps peak (CPU_NOTES 9), the rest is packing "
                     "and blocking") if dt == "bfloat16" else
+                   f"; against torch's fastest fp32 GEMM here as the ceiling ours runs at "
+                   f"{max(r['ours_GFLOPs'] for r in rs) / best_torch:.0%} of it; the 12x32 micro-kernel alone "
+                   "runs at the FMA peak (~248 GFLOP/s a core here) and takes ~92% of the call at 4096; "
+                   "packing A and B take ~4.5% and the rest is its partial sums through L3 between kc blocks "
+                   "(a perf profile, bench/probes/cpu_avx512_ukernel_rate.cpp, bench/CPU_NOTES.md 63)"
+                   if "avx512" in meta.get("isa", "") and meta.get("notes_section", 0) >= 63 else
                    f"; against torch's fastest fp32 GEMM here as the ceiling ours runs at "
                    f"{max(r['ours_GFLOPs'] for r in rs) / best_torch:.0%} of it: the FMA rate of our "
                    f"{'12x32' if 'avx512' in meta.get('isa', '') else '6x16'} micro-kernel (cache-block and "

@@ -53,6 +53,25 @@ def test_block_edges_bias_activation(device, dtype, mkn):
     assert_close(pg.gemm(a, b, bias=bias, activation="gelu"), gemm_ref(a, b, bias, "gelu"), dtype)
 
 
+@pytest.mark.parametrize("n", [8192, 8200])
+def test_fp32_row_chunks_cpu(n):
+    # AVX-512's fp32 kernels pack each kc block of A once per row chunk and pass every column
+    # block of the task over it, with partial sums spanning the task's columns; the chunks are
+    # as many rows as 32 MB of those sums allow. On one thread, 2101 rows over 8192 (8200)
+    # columns make chunks of 708, 708 and 685 rows (the last ends in a 1-row sliver), and
+    # K = 400 is two kc blocks through the partial sums. Other instruction sets and thread
+    # counts (PORTABLE_GEMM_NUM_THREADS sizes the library's own pool) take other blocks of the
+    # same shape.
+    a, b, bias = rand((2101, 400), torch.float32, "cpu"), rand((400, n), torch.float32, "cpu"), rand((n,), torch.float32, "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = pg.gemm(a, b, bias=bias, activation="relu")
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(out, gemm_ref(a, b, bias, "relu"), torch.float32)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_layouts(device, dtype):

@@ -11,7 +11,10 @@
 // block's micro-kernel writes to a stack tile and the epilogue (bias, activation,
 // rounding to the output dtype, arbitrary output strides) runs on it while it is hot.
 // Rows beyond M and columns beyond N are zero-padded in the packed panels, so a
-// micro-kernel only needs to know how many rows (1..MR) it computes.
+// micro-kernel only needs to know how many rows (1..MR) it computes. AVX-512's fp32 kernels
+// take the column blocks inside the kc blocks instead (mo, pc, jc, ir, jr: run_block_a_once),
+// so that A is packed once per row chunk rather than once per column block; AMX GEMMs of many
+// rows walk K inside the row chunks (run_block_kin).
 //
 // Micro-kernels (chosen once at run time, see active_isa()): AVX-512 12 x 32, AVX2+FMA
 // 6 x 16, portable 4 x 8 (4 x 16 on aarch64) written for auto-vectorisation. bf16 x bf16
@@ -616,6 +619,10 @@ struct KernelSet {
   bool amx = false;
   // K up to this runs as one block even where it exceeds kc (0: never).
   int64_t kc_whole = 0;
+  // Tasks spanning several column blocks pack each kc block of A once per row chunk and
+  // walk the column blocks inside it (run_block_a_once), instead of packing A again for
+  // every column block.
+  bool a_once = false;
 };
 
 #if defined(__aarch64__)
@@ -901,6 +908,7 @@ const KernelSet& kernel_set() {
       // the AVX-512 host of bench/CPU_NOTES.md 29, fp32 4096 went from 0.82-0.83 to
       // 0.92-0.97x torch.matmul, 1024 and 2048 the same within the host's noise.
       s.mch = 2040;
+      s.a_once = true;
       s.kern[1] = kern_avx512<1>; s.kern[2] = kern_avx512<2>; s.kern[3] = kern_avx512<3>;
       s.kern[4] = kern_avx512<4>; s.kern[5] = kern_avx512<5>; s.kern[6] = kern_avx512<6>;
       s.kern[7] = kern_avx512<7>; s.kern[8] = kern_avx512<8>; s.kern[9] = kern_avx512<9>;
@@ -1315,6 +1323,77 @@ constexpr int64_t kFewRowsKc = 2048, kFewRowsNc = 256;
 
 bool few_rows_blocks(const KernelSet& ks, int64_t rows) { return ks.amx && rows <= kKinRows; }
 
+// KernelSet::a_once: a row chunk's kc block of A is packed once and every column block of
+// the task passes over it (B packed per column block, as before), so each element of A is
+// packed once per row chunk instead of once per column block of nc columns. The partial sums
+// then span the task's columns (in L3, as the mch x nc ones of 2040-row chunks were), and the
+// row chunks are as large as kAOnceWs bytes of them allow, evenly sized, so that B is packed
+// once per chunk of up to ~4000 rows (2040 before). On the 2-core Xeon VM (fp32, 2 threads,
+// call-by-call pairs, bench/CPU_NOTES.md 63): 2048^3 0.95x the time, 3072^3 0.94x, 4096^3
+// 0.94x, M = 256..1024 at N = K = 4096 0.94-0.99x. Where the task's columns are so many that
+// the chunks would be short, B packed once per chunk costs more than A packed once per column
+// block: the order is taken only where it packs fewer elements of A and B together.
+constexpr int64_t kAOnceWs = int64_t(32) << 20;
+
+// Rows per chunk in the a_once order: as many as kAOnceWs bytes of partial sums allow, the
+// chunks evenly sized.
+int64_t a_once_chunk(int64_t rows, int64_t cols, int mr, int nr) {
+  const int64_t ldw = round_up(cols, nr) + 16;
+  const int64_t max_rows = std::max<int64_t>(mr, kAOnceWs / (ldw * int64_t(sizeof(float))) / mr * mr);
+  const int64_t n = (rows + max_rows - 1) / max_rows;
+  return round_up((rows + n - 1) / n, mr);
+}
+
+bool a_once_order(const DenseJob& job, int64_t rows, int64_t cols, int64_t ncb, int64_t mchb) {
+  const KernelSet& ks = *job.ks;
+  if (!ks.a_once || ks.bf16_pairs || job.a_tiles != nullptr || cols <= ncb) return false;
+  const auto chunks = [rows](int64_t c) { return double((rows + c - 1) / c); };
+  // Elements packed per element of K: A's rows once per column block (or once), B's columns
+  // once per row chunk.
+  const double before = double(rows) * double((cols + ncb - 1) / ncb) + double(cols) * chunks(mchb);
+  const double after = double(rows) + double(cols) * chunks(a_once_chunk(rows, cols, ks.mr, ks.nr));
+  return after < before;
+}
+
+void run_block_a_once(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi,
+                      int64_t kcb, int64_t ncb) {
+  const DenseProblem& p = *job.p;
+  const KernelSet& ks = *job.ks;
+  const int mr = ks.mr, nr = ks.nr;
+  const int64_t K = p.k;
+  const int64_t ldw = round_up(n_hi - n_lo, nr) + 16;  // padded, as in run_block
+  const int64_t mchb = a_once_chunk(m_hi - m_lo, n_hi - n_lo, mr, nr);
+  float* bp = scratch(0, size_t(kcb * ncb));
+  float* ap = scratch(1, size_t(kcb * round_up(mchb, mr)));
+  float* ws = K > kcb ? scratch(2, size_t(mchb * ldw)) : nullptr;
+  alignas(64) float tile[16 * 64];
+  for (int64_t mo = m_lo; mo < m_hi; mo += mchb) {
+    const int64_t mch = std::min(mchb, m_hi - mo);
+    for (int64_t pc = 0; pc < K; pc += kcb) {
+      const int64_t kc = std::min(kcb, K - pc);
+      const bool first = pc == 0, last = pc + kc == K;
+      pack_a(p.a, mo, mch, pc, kc, mr, ap);
+      for (int64_t jc = n_lo; jc < n_hi; jc += ncb) {
+        const int64_t nc = std::min(ncb, n_hi - jc);
+        p.pack_b(p.b_ctx, pc, kc, jc, nc, nr, bp);
+        for (int64_t ir = 0; ir < mch; ir += mr) {
+          const int m = int(std::min<int64_t>(mr, mch - ir));
+          const float* a_sl = ap + ir * kc;
+          for (int64_t jr = 0; jr < nc; jr += nr) {
+            float* w = ws ? ws + ir * ldw + (jc - n_lo) + jr : nullptr;
+            if (last) {
+              ks.kern[m](kc, a_sl, bp + jr * kc, nr, first ? nullptr : w, ldw, tile, nr);
+              job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
+            } else {
+              ks.kern[m](kc, a_sl, bp + jr * kc, nr, first ? nullptr : w, ldw, w, ldw);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi) {
   const DenseProblem& p = *job.p;
   const KernelSet& ks = *job.ks;
@@ -1331,6 +1410,8 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   // the B panels again).
   const int64_t nmch = (m_hi - m_lo + ks.mch - 1) / ks.mch;
   const int64_t mchb = std::min(ks.mch, round_up((m_hi - m_lo + nmch - 1) / nmch, mr));
+  if (a_once_order(job, m_hi - m_lo, n_hi - n_lo, ncb, mchb))
+    return run_block_a_once(job, m_lo, m_hi, n_lo, n_hi, kcb, ncb);
   // Panel rows: k for fp32 panels, pairs of k for bf16 pair panels (32-bit units).
   const bool pairs = ks.bf16_pairs;
   const int64_t kub = pairs ? (kcb + 1) / 2 : kcb;
