@@ -53,16 +53,17 @@ def test_block_edges_bias_activation(device, dtype, mkn):
     assert_close(pg.gemm(a, b, bias=bias, activation="gelu"), gemm_ref(a, b, bias, "gelu"), dtype)
 
 
+@pytest.mark.parametrize("k", [300, 401])
 @pytest.mark.parametrize("n", [8192, 8200])
-def test_fp32_row_chunks_cpu(n):
+def test_fp32_row_chunks_cpu(n, k):
     # AVX-512's fp32 kernels pack each kc block of A once per row chunk and pass every column
     # block of the task over it, with partial sums spanning the task's columns; the chunks are
     # as many rows as 32 MB of those sums allow. On one thread, 2101 rows over 8192 (8200)
-    # columns make chunks of 708, 708 and 685 rows (the last ends in a 1-row sliver), and
-    # K = 400 is two kc blocks through the partial sums. Other instruction sets and thread
-    # counts (PORTABLE_GEMM_NUM_THREADS sizes the library's own pool) take other blocks of the
-    # same shape.
-    a, b, bias = rand((2101, 400), torch.float32, "cpu"), rand((400, n), torch.float32, "cpu"), rand((n,), torch.float32, "cpu")
+    # columns make chunks of 708, 708 and 685 rows (the last ends in a 1-row sliver); K = 300
+    # is one kc block (no partial sums), K = 401 two of 204 and 197. Other instruction sets
+    # and thread counts (PORTABLE_GEMM_NUM_THREADS sizes the library's own pool) take other
+    # blocks of the same shape.
+    a, b, bias = rand((2101, k), torch.float32, "cpu"), rand((k, n), torch.float32, "cpu"), rand((n,), torch.float32, "cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -70,6 +71,19 @@ def test_fp32_row_chunks_cpu(n):
     finally:
         torch.set_num_threads(threads)
     assert_close(out, gemm_ref(a, b, bias, "relu"), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layouts_blocked(device, dtype):
+    # test_layouts on a shape past the CPU's column blocks and kc blocks (fp32 on AVX-512:
+    # 550 columns a task on 2 threads, K in two blocks): A and B transposed or strided go
+    # through the packers' other paths.
+    a0, b0 = rand((300, 500), dtype, device), rand((500, 1100), dtype, device)
+    ref = gemm_ref(a0, b0)
+    for a_name, a in strided_variants(a0):
+        for b_name, b in strided_variants(b0):
+            assert_close(pg.gemm(a, b), ref, dtype, label=f"a {a_name}, b {b_name}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

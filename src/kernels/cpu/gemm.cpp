@@ -1330,29 +1330,37 @@ bool few_rows_blocks(const KernelSet& ks, int64_t rows) { return ks.amx && rows 
 // row chunks are as large as kAOnceWs bytes of them allow, evenly sized, so that B is packed
 // once per chunk of up to ~4000 rows (2040 before). On the 2-core Xeon VM (fp32, 2 threads,
 // call-by-call pairs, bench/CPU_NOTES.md 63): 2048^3 0.95x the time, 3072^3 0.94x, 4096^3
-// 0.94x, M = 256..1024 at N = K = 4096 0.94-0.99x. Where the task's columns are so many that
-// the chunks would be short, B packed once per chunk costs more than A packed once per column
-// block: the order is taken only where it packs fewer elements of A and B together.
+// 0.94x, M = 256..1024 at N = K = 4096 0.94-0.99x; also where the old order kept A packed for
+// every column block (256 x 14336 x 4096 0.94x: one kc block of A stays in L2 across them).
+// Where the task's columns are so many that the chunks would be short, B packed once per chunk
+// costs more than A packed once per column block: the order is taken only where it packs no
+// more elements of A and B together than the old one.
 constexpr int64_t kAOnceWs = int64_t(32) << 20;
+// At most this many rows a chunk (A's kc block 6 MB at kc 384), for narrow tasks.
+constexpr int64_t kAOnceMaxRows = 4096;
 
-// Rows per chunk in the a_once order: as many as kAOnceWs bytes of partial sums allow, the
-// chunks evenly sized.
+// Rows per chunk in the a_once order: as many as kAOnceWs bytes of partial sums allow, up to
+// kAOnceMaxRows, the chunks evenly sized.
 int64_t a_once_chunk(int64_t rows, int64_t cols, int mr, int nr) {
   const int64_t ldw = round_up(cols, nr) + 16;
-  const int64_t max_rows = std::max<int64_t>(mr, kAOnceWs / (ldw * int64_t(sizeof(float))) / mr * mr);
+  const int64_t max_rows = std::max<int64_t>(
+      mr, std::min(kAOnceMaxRows, kAOnceWs / (ldw * int64_t(sizeof(float)))) / mr * mr);
   const int64_t n = (rows + max_rows - 1) / max_rows;
   return round_up((rows + n - 1) / n, mr);
 }
 
-bool a_once_order(const DenseJob& job, int64_t rows, int64_t cols, int64_t ncb, int64_t mchb) {
+// keep_a: the old order would pack A only once (run_block's keep_a).
+bool a_once_order(const DenseJob& job, int64_t rows, int64_t cols, int64_t ncb, int64_t mchb,
+                  bool keep_a) {
   const KernelSet& ks = *job.ks;
   if (!ks.a_once || ks.bf16_pairs || job.a_tiles != nullptr || cols <= ncb) return false;
   const auto chunks = [rows](int64_t c) { return double((rows + c - 1) / c); };
   // Elements packed per element of K: A's rows once per column block (or once), B's columns
   // once per row chunk.
-  const double before = double(rows) * double((cols + ncb - 1) / ncb) + double(cols) * chunks(mchb);
+  const double before =
+      double(rows) * (keep_a ? 1.0 : double((cols + ncb - 1) / ncb)) + double(cols) * chunks(mchb);
   const double after = double(rows) + double(cols) * chunks(a_once_chunk(rows, cols, ks.mr, ks.nr));
-  return after < before;
+  return after <= before;
 }
 
 void run_block_a_once(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi,
@@ -1410,8 +1418,6 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   // the B panels again).
   const int64_t nmch = (m_hi - m_lo + ks.mch - 1) / ks.mch;
   const int64_t mchb = std::min(ks.mch, round_up((m_hi - m_lo + nmch - 1) / nmch, mr));
-  if (a_once_order(job, m_hi - m_lo, n_hi - n_lo, ncb, mchb))
-    return run_block_a_once(job, m_lo, m_hi, n_lo, n_hi, kcb, ncb);
   // Panel rows: k for fp32 panels, pairs of k for bf16 pair panels (32-bit units).
   const bool pairs = ks.bf16_pairs;
   const int64_t kub = pairs ? (kcb + 1) / 2 : kcb;
@@ -1424,6 +1430,8 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   const uint16_t* a16 = static_cast<const uint16_t*>(p.a.data);
   const bool keep_a = !rows && job.a_tiles == nullptr && m_hi - m_lo <= mchb && n_hi - n_lo > ncb &&
                       npc * kub * mchb * int64_t(sizeof(float)) <= kKeepA;
+  if (a_once_order(job, m_hi - m_lo, n_hi - n_lo, ncb, mchb, keep_a))
+    return run_block_a_once(job, m_lo, m_hi, n_lo, n_hi, kcb, ncb);
   float* bp = scratch(0, size_t(kub * ncb));
   float* ap_all = rows || job.a_tiles ? nullptr : scratch(1, size_t(kub * mchb * (keep_a ? npc : 1)));
   const int64_t ldw = ncb + 16;  // padded, as in run_block_kin: 0.985x at M = 256 (CPU_NOTES 60)
