@@ -3,9 +3,13 @@
 // its operands live. A is NA slivers of 32 rows x KC k packed as tiles, B is NB slivers of
 // KC k x 32 columns packed as pair rows of 128 bytes (the library's layouts); every call
 // multiplies one A sliver by one B sliver. LOOP 0 takes the B slivers innermost (the
-// library's order: one A sliver stays in L1, B streams), LOOP 1 the A slivers. PF > 0 adds
-// prefetcht0 of the B rows PF steps of 32 k ahead (32 lines a step). Prints TFLOP/s of the
-// fastest of 7 repetitions of >= 20000 calls, and ns per tdpbf16ps. bench/CPU_NOTES.md 49.
+// library's order: one A sliver stays in L1, B streams), LOOP 1 the A slivers, LOOP 2 the
+// products alone (kern_no_loads: the tile unit's rate). PF > 0 adds prefetcht0 of the B rows
+// PF steps of 32 k ahead (32 lines a step); PF -1 prefetches the next A sliver into L2 in NB
+// parts, one before each call; PF -2 loads and stores C's partial sums in every call (kern_c).
+// Prints TFLOP/s of the fastest of 7 repetitions of >= 20000 calls, and ns per tdpbf16ps.
+// bench/CPU_NOTES.md 49; 63 aligned the operands to 64 bytes (49's figures for operands from
+// L2 had every tile row across two lines) and added LOOP 2 and PF -1 / -2.
 //
 //   g++ -O2 -std=c++17 bench/probes/cpu_amx_tile_probe.cpp -o amx_tile_probe
 //   ./amx_tile_probe KC NA NB [LOOP [PF]]
@@ -19,10 +23,23 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <random>
 #include <vector>
 
 namespace {
+
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const Aligned64&) const { return true; }
+  bool operator!=(const Aligned64&) const { return false; }
+};
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -69,6 +86,57 @@ __attribute__((target("amx-tile,amx-bf16,sse"))) void kern(int64_t kp, const cha
   _tile_stored(3, out + 528, 128);
 }
 
+// The unit's own rate: the same four products per 32 k on tiles loaded once, no loads in the
+// loop (LOOP 2). On the 2-core Xeon VM: 6.0 ns a tdpbf16ps, against 7.3-7.5 for the kernel
+// with its loads from L1 (bench/CPU_NOTES.md 63).
+__attribute__((target("amx-tile,amx-bf16"))) void kern_no_loads(int64_t kp, const char* a, const char* b,
+                                                                float* out) {
+  constexpr int64_t kRow = 128;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a + 1024, 64);
+  _tile_loadd(6, b, kRow);
+  _tile_loadd(7, b + 64, kRow);
+  for (int64_t p = 0; p < kp; p += 16) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, 128);
+  _tile_stored(1, out + 16, 128);
+  _tile_stored(2, out + 512, 128);
+  _tile_stored(3, out + 528, 128);
+}
+
+// PF -2: the kernel with its 32 x 32 block of C loaded from and stored to fp32 partial sums
+// (the library's kernel for every kc block but the first), ldc floats a row.
+__attribute__((target("amx-tile,amx-bf16"))) void kern_c(int64_t kp, const char* a, const char* b, float* c,
+                                                         int64_t ldc) {
+  constexpr int64_t kRow = 128;
+  _tile_loadd(0, c, ldc * 4);
+  _tile_loadd(1, c + 16, ldc * 4);
+  _tile_loadd(2, c + 16 * ldc, ldc * 4);
+  _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+  for (int64_t p = 0; p < kp; p += 16) {
+    _tile_loadd(4, a + 128 * p, 64);
+    _tile_loadd(6, b + p * kRow, kRow);
+    _tile_loadd(7, b + p * kRow + 64, kRow);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 128 * p + 1024, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, ldc * 4);
+  _tile_stored(1, c + 16, ldc * 4);
+  _tile_stored(2, c + 16 * ldc, ldc * 4);
+  _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -78,7 +146,7 @@ int main(int argc, char** argv) {
   }
   const int64_t kc = std::atol(argv[1]), na = std::atol(argv[2]), nb = std::atol(argv[3]);
   const int loop = argc > 4 ? std::atoi(argv[4]) : 0, pf = argc > 5 ? std::atoi(argv[5]) : 0;
-  if (kc <= 0 || kc % 32 != 0 || na <= 0 || nb <= 0) {
+  if (kc <= 0 || kc % 32 != 0 || na <= 0 || nb <= 0 || pf < -2) {
     std::fprintf(stderr, "KC must be a positive multiple of 32, NA and NB positive\n");
     return 2;
   }
@@ -88,11 +156,15 @@ int main(int argc, char** argv) {
   }
   const int64_t sliver = 32 * kc * 2;  // bytes of an A or B sliver
   // Random bf16 in [1, 2): no zeros, no denormals. Padding past the last B sliver for PF.
-  std::vector<uint16_t> a(size_t(na * sliver / 2)), b(size_t(nb * sliver / 2 + 64 * 64 * (pf + 1)));
+  // 64-byte aligned, as the library's packed panels are: std::vector's 16-byte alignment put
+  // every 64-byte tile row across two lines (1.05 against 1.36 TFLOP/s at KC 2048, NB 8).
+  std::vector<uint16_t, Aligned64<uint16_t>> a(size_t(na * sliver / 2)),
+      b(size_t(nb * sliver / 2 + 64 * 64 * (pf + 2)));
   std::mt19937 rng(1);
   for (auto& v : a) v = uint16_t(0x3f80 | (rng() & 0x7f));
   for (auto& v : b) v = uint16_t(0x3f80 | (rng() & 0x7f));
   alignas(64) static float out[32 * 32];
+  std::vector<float, Aligned64<float>> ws(size_t(8 * 32 * (nb * 32 + 16)), 0.f);  // PF -2
   const char* a0 = reinterpret_cast<const char*>(a.data());
   const char* b0 = reinterpret_cast<const char*>(b.data());
   double best = 1e30;
@@ -103,7 +175,18 @@ int main(int argc, char** argv) {
       for (int64_t i = 0; i < (loop ? nb : na); ++i)
         for (int64_t j = 0; j < (loop ? na : nb); ++j, ++calls) {
           const int64_t ia = loop ? j : i, ib = loop ? i : j;
-          kern(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, pf);
+          if (pf == -1 && loop == 0) {  // 1/NB of the next A sliver into L2 before each call
+            const char* next = a0 + ((ia + 1) % na) * sliver;
+            const int64_t part = sliver / nb;
+            for (int64_t o = ib * part; o < (ib + 1) * part; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+          }
+          if (pf == -2) {  // partial sums of 8 A slivers (256 rows) x NB slivers, padded rows
+            const int64_t ldc = nb * 32 + 16;
+            kern_c(kc / 2, a0 + ia * sliver, b0 + ib * sliver, ws.data() + (ia % 8) * 32 * ldc + ib * 32, ldc);
+            continue;
+          }
+          if (loop == 2) kern_no_loads(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out);
+          else kern(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, pf < 0 ? 0 : pf);
         }
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
