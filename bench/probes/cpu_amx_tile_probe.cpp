@@ -6,7 +6,8 @@
 // library's order: one A sliver stays in L1, B streams), LOOP 1 the A slivers, LOOP 2 the
 // products alone (kern_no_loads: the tile unit's rate). PF > 0 adds prefetcht0 of the B rows
 // PF steps of 32 k ahead (32 lines a step); PF -1 prefetches the next A sliver into L2 in NB
-// parts, one before each call; PF -2 loads and stores C's partial sums in every call (kern_c).
+// parts, one before each call; PF -2 loads and stores C's partial sums in every call (kern_c);
+// PF -3 prefetches the next A sliver spread through the calls' k loops (kern_pf_next).
 // Prints TFLOP/s of the fastest of 7 repetitions of >= 20000 calls, and ns per tdpbf16ps.
 // bench/CPU_NOTES.md 49; 63 aligned the operands to 64 bytes (49's figures for operands from
 // L2 had every tile row across two lines) and added LOOP 2 and PF -1 / -2.
@@ -19,6 +20,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -137,6 +139,33 @@ __attribute__((target("amx-tile,amx-bf16"))) void kern_c(int64_t kp, const char*
   _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
+// PF -3: the kernel with LINES prefetcht1 a step (32 k) of `next` (the next A sliver's part
+// for this call), spread through the k loop instead of a burst before the call.
+template <int LINES>
+__attribute__((target("amx-tile,amx-bf16"))) void kern_pf_next(int64_t kp, const char* a, const char* b,
+                                                               float* out, const char* next) {
+  constexpr int64_t kRow = 128;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t p = 0; p < kp; p += 16) {
+    for (int l = 0; l < LINES; ++l) _mm_prefetch(next + (p / 16 * LINES + l) * 64, _MM_HINT_T1);
+    _tile_loadd(4, a + 128 * p, 64);
+    _tile_loadd(6, b + p * kRow, kRow);
+    _tile_loadd(7, b + p * kRow + 64, kRow);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 128 * p + 1024, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, 128);
+  _tile_stored(1, out + 16, 128);
+  _tile_stored(2, out + 512, 128);
+  _tile_stored(3, out + 528, 128);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -146,7 +175,7 @@ int main(int argc, char** argv) {
   }
   const int64_t kc = std::atol(argv[1]), na = std::atol(argv[2]), nb = std::atol(argv[3]);
   const int loop = argc > 4 ? std::atoi(argv[4]) : 0, pf = argc > 5 ? std::atoi(argv[5]) : 0;
-  if (kc <= 0 || kc % 32 != 0 || na <= 0 || nb <= 0 || pf < -2) {
+  if (kc <= 0 || kc % 32 != 0 || na <= 0 || nb <= 0 || pf < -3) {
     std::fprintf(stderr, "KC must be a positive multiple of 32, NA and NB positive\n");
     return 2;
   }
@@ -159,7 +188,7 @@ int main(int argc, char** argv) {
   // 64-byte aligned, as the library's packed panels are: std::vector's 16-byte alignment put
   // every 64-byte tile row across two lines (1.05 against 1.36 TFLOP/s at KC 2048, NB 8).
   std::vector<uint16_t, Aligned64<uint16_t>> a(size_t(na * sliver / 2)),
-      b(size_t(nb * sliver / 2 + 64 * 64 * (pf + 2)));
+      b(size_t(nb * sliver / 2 + 64 * 64 * (std::max(pf, 0) + 1)));
   std::mt19937 rng(1);
   for (auto& v : a) v = uint16_t(0x3f80 | (rng() & 0x7f));
   for (auto& v : b) v = uint16_t(0x3f80 | (rng() & 0x7f));
@@ -179,6 +208,14 @@ int main(int argc, char** argv) {
             const char* next = a0 + ((ia + 1) % na) * sliver;
             const int64_t part = sliver / nb;
             for (int64_t o = ib * part; o < (ib + 1) * part; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+          }
+          if (pf == -3) {  // the next A sliver, 1/NB of it per call, spread through the call
+            const int64_t part = sliver / nb, lines = part / 64 / (kc / 32);
+            const char* next = a0 + ((ia + 1) % na) * sliver + ib * part;
+            if (lines >= 4) kern_pf_next<4>(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, next);
+            else if (lines >= 2) kern_pf_next<2>(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, next);
+            else kern_pf_next<1>(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, next);
+            continue;
           }
           if (pf == -2) {  // partial sums of 8 A slivers (256 rows) x NB slivers, padded rows
             const int64_t ldc = nb * 32 + 16;

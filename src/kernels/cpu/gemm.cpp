@@ -606,6 +606,9 @@ using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, int64_t
 using RowsKernel = void (*)(int64_t kp, const uint16_t* a, int64_t lda, const float* b, int64_t ldb,
                             const float* in, int64_t ldin, float* out, int64_t ldout);
 
+using NextKernel = void (*)(int64_t kp, const float* a, const float* b, int64_t ldb, float* out,
+                           int64_t ldout, const char* next, int lines);
+
 struct KernelSet {
   int mr, nr;
   int64_t kc, nc, mch;  // cache blocking (see the top of the file)
@@ -619,6 +622,9 @@ struct KernelSet {
   bool amx = false;
   // K up to this runs as one block even where it exceeds kc (0: never).
   int64_t kc_whole = 0;
+  // AMX: kern[m] from zero with `lines` lines of `next` prefetched into L2 a step of 32 k
+  // (kern_amx_next), or null.
+  NextKernel kern_next[33] = {};
   // Tasks spanning several column blocks pack each kc block of A once per row chunk and
   // walk the column blocks inside it (run_block_a_once), instead of packing A again for
   // every column block.
@@ -784,9 +790,12 @@ PG_TARGET_AVX512_BF16 void kern_avx512_bf16_rows(int64_t kp, const uint16_t* a, 
 // 6-7 16 pair rows of the B sliver's two 16-column halves (the pair panel is already the
 // VNNI layout the unit reads), for 2 MT tdpbf16ps. Like vdpbf16ps, it flushes bf16
 // denormals to zero. The tile configuration is the caller's (amx_begin).
-template <int MT>
-PG_TARGET_AMX void kern_amx(int64_t kp, const float* a, const float* b, int64_t ldb,
-                            const float* in, int64_t ldin, float* out, int64_t ldout) {
+// NEXT: `lines` prefetcht1 a step of 32 k from `next` on (the next A sliver's part for this
+// call, into L2; kern_amx_next).
+template <int MT, bool NEXT>
+PG_TARGET_AMX inline void kern_amx_body(int64_t kp, const float* a, const float* b, int64_t ldb,
+                                        const float* in, int64_t ldin, float* out, int64_t ldout,
+                                        const char* next, int lines) {
   const char* ab = reinterpret_cast<const char*>(a);  // 2 KB per 32 k: rows 0-15, 16-31
   if (in) {
     _tile_loadd(0, in, ldin * 4);
@@ -804,6 +813,10 @@ PG_TARGET_AMX void kern_amx(int64_t kp, const float* a, const float* b, int64_t 
     }
   }
   for (int64_t p = 0; p < kp; p += 16) {
+    if (NEXT) {
+      for (int l = 0; l < lines; ++l) _mm_prefetch(next + l * 64, _MM_HINT_T1);
+      next += lines * 64;
+    }
     _tile_loadd(4, ab + 128 * p, 64);
     _tile_loadd(6, b + p * ldb, ldb * 4);
     _tile_loadd(7, b + p * ldb + 16, ldb * 4);
@@ -821,6 +834,23 @@ PG_TARGET_AMX void kern_amx(int64_t kp, const float* a, const float* b, int64_t 
     _tile_stored(2, out + 16 * ldout, ldout * 4);
     _tile_stored(3, out + 16 * ldout + 16, ldout * 4);
   }
+}
+
+template <int MT>
+PG_TARGET_AMX void kern_amx(int64_t kp, const float* a, const float* b, int64_t ldb,
+                            const float* in, int64_t ldin, float* out, int64_t ldout) {
+  kern_amx_body<MT, false>(kp, a, b, ldb, in, ldin, out, ldout, nullptr, 0);
+}
+
+// kern_amx from zero, with the next A sliver brought into L2 a little every step. Where A
+// streams from L3 (the shared packed A in run_block_kin), each new sliver's first call
+// otherwise waits on it; cpu_amx_tile_probe.cpp (PF -3) took 2.03-2.05 instead of 1.87-1.94
+// TFLOP/s a core with 64 A slivers (bench/CPU_NOTES.md 63). A burst of prefetches before each
+// call instead was slower (1.62-1.65).
+template <int MT>
+PG_TARGET_AMX void kern_amx_next(int64_t kp, const float* a, const float* b, int64_t ldb, float* out,
+                                 int64_t ldout, const char* next, int lines) {
+  kern_amx_body<MT, true>(kp, a, b, ldb, nullptr, 0, out, ldout, next, lines);
 }
 
 // kern[m] and kern_rows[m] of the pair set for m = 1..kAvx512MR.
@@ -885,8 +915,8 @@ const KernelSet* amx_kernel_set() {
     s.mch = 2048;
     s.bf16_pairs = true;
     s.amx = true;
-    for (int m = 1; m <= 16; ++m) s.kern[m] = kern_amx<1>;
-    for (int m = 17; m <= 32; ++m) s.kern[m] = kern_amx<2>;
+    for (int m = 1; m <= 16; ++m) s.kern[m] = kern_amx<1>, s.kern_next[m] = kern_amx_next<1>;
+    for (int m = 17; m <= 32; ++m) s.kern[m] = kern_amx<2>, s.kern_next[m] = kern_amx_next<2>;
     return &s;
 #else
     return nullptr;
@@ -1262,6 +1292,13 @@ constexpr int64_t kKinWholeK = 4096, kKinWholeB = int64_t(1) << 20;
 
 bool kin_whole_k(int64_t K) { return K <= kKinWholeK; }
 
+// kern_amx_next's prefetch of the next A sliver, at most this many lines a step of 32 k: a
+// sliver's 32 over 8 or more calls (K up to 2048, B's 1 MB then 256 columns or more). On the
+// 2-core Xeon VM (call-by-call pairs, bench/CPU_NOTES.md 63): 2048^3 0.96x the time,
+// 3072 x 3072 x 2048 0.96x, 4096 x 4096 x 1536 0.97x; with 7 or 8 lines a step (K = 3072,
+// 4096) 0.97-1.07x and 0.99x, not taken.
+constexpr int kNextLines = 4;
+
 void run_block_kin(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi) {
   const DenseProblem& p = *job.p;
   const KernelSet& ks = *job.ks;
@@ -1294,10 +1331,22 @@ void run_block_kin(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo
         for (int64_t ir = 0; ir < mch; ir += mr) {
           const int m = int(std::min<int64_t>(mr, mch - ir));
           const float* a_sl = job.a_tiles + (mo + ir) / mr * (K / 2) * mr + pc / 2 * mr;
+          // K as one block: the next sliver of A (the task's first one after its last, for
+          // the next column block) comes into L2 in parts, one per call of this sliver, where
+          // that takes at most kNextLines lines a step.
+          const int64_t calls = (nc + nr - 1) / nr;
+          const int lines = int((mr + calls - 1) / calls);  // a sliver: mr lines per 32 k
+          const float* next = nullptr;
+          if (whole && lines <= kNextLines && mo + ir + mr < m_hi) next = a_sl + (K / 2) * mr;
+          else if (whole && lines <= kNextLines && jc + ncb < n_hi) next = job.a_tiles + m_lo / mr * (K / 2) * mr;
           for (int64_t jr = 0; jr < nc; jr += nr) {
             const float* b_sl = bp + i * kub * ncb + jr * ku;
             float* w = ws + ir * ldw + jr;
-            if (last) {
+            if (next != nullptr) {
+              const char* part = reinterpret_cast<const char*>(next) + jr / nr * lines * 64 * (ku / 16);
+              ks.kern_next[m](ku, a_sl, b_sl, nr, tile, nr, part, lines);
+              job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
+            } else if (last) {
               ks.kern[m](ku, a_sl, b_sl, nr, first ? nullptr : w, ldw, tile, nr);
               job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
             } else {
