@@ -37,13 +37,15 @@ LARGE_K = [(16, 8192, 64)]
 # kept for the others. The third: the same with K % 32 == 0, which bf16 runs on the AMX
 # kernel where the CPU has one (a task of at most 256 rows takes K up to 2048 as one block and
 # B in blocks of 256 columns; a 13-row last sliver). The fourth: K within 1024, one block
-# everywhere. The fifth: bf16 on AMX over its row block of 2048 with a 5-row last sliver, in
-# row chunks of 256 with K = 1088 as one block and B in blocks of 480 columns (gemm.cpp,
-# run_block_kin); with tasks over N, A is packed once for the call and shared (pack_a_shared),
+# everywhere. The fifth: bf16 on AMX over its row block of 2048 with a 5-row last sliver,
+# K = 1088 as one block and B in blocks of 480 and 70 columns (gemm.cpp, run_block_kin: the
+# next A sliver prefetched in the first, 15 calls a sliver, not in the second); with tasks
+# over N, A is packed once for the call and shared (pack_a_shared),
 # as in the third and fourth. The sixth: too small to wake the pool, so one task walks three
 # column blocks and packs the shared A itself. The seventh: a task of at most 256 rows with
 # K over 2048 (AMX: 3 kc blocks of 1408 / 1344). The eighth: more than 256 rows with K over
-# 4096 (AMX: row chunks of 256 and 44, 17 kc blocks of 256 / 64). The ninth: fewer rows than
+# 2048 (AMX, big_k_blocks: all 300 rows through each of 3 kc blocks of 1408 / 1344, partial
+# sums in between). The ninth: fewer rows than
 # one micro-kernel sliver and more than the row-streaming path's 8, over several column blocks.
 BLOCK_EDGES = [(2053, 1601, 2100), (45, 1601, 2100), (45, 1600, 2100), (45, 992, 2100), (2085, 1088, 1100),
                (16, 32, 2080), (45, 4160, 600), (300, 4160, 100), (9, 64, 2100)]

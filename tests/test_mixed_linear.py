@@ -161,7 +161,9 @@ def test_mixed_linear_dense_k_blocks(bits, group, k):
     the integers and the GEMM's epilogue multiplies each column by its scale, before the bias
     and the activation; groups are applied in the packers. M = 130 and 256 are tasks of at
     most 256 rows (on AMX: K in blocks of at most 2048, here 3 of 1408, and B in
-    blocks of 256 columns, 550 a task on 2 threads); M = 300 takes row chunks of 256 and 44.
+    blocks of 256 columns, 550 a task on 2 threads); M = 300 passes all its rows through
+    each of those K blocks with B in blocks of 352 and 198 columns (gemm.cpp, big_k_blocks:
+    the next A sliver prefetched in the first, 11 calls a sliver, not in the second).
     K = 4225 (int8 only: int4 needs an even K) leaves the AMX kernel and the fused packer, so
     the row-by-row packer writes the integers. x in each CPU dtype: f32 and f16 x take the
     fp32 kernels and their packer (on AVX-512, 550 columns a task on 2 threads: a column

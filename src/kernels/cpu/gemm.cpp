@@ -14,7 +14,8 @@
 // micro-kernel only needs to know how many rows (1..MR) it computes. AVX-512's fp32 kernels
 // take the column blocks inside the kc blocks instead (mo, pc, jc, ir, jr: run_block_a_once),
 // so that A is packed once per row chunk rather than once per column block; AMX GEMMs of many
-// rows walk K inside the row chunks (run_block_kin).
+// rows and K up to 2048 take K as one block (run_block_kin), and above it all the task's rows
+// pass each K block of 2048 (big_k_blocks).
 //
 // Micro-kernels (chosen once at run time, see active_isa()): AVX-512 12 x 32, AVX2+FMA
 // 6 x 16, portable 4 x 8 (4 x 16 on aarch64) written for auto-vectorisation. bf16 x bf16
@@ -606,8 +607,8 @@ using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, int64_t
 using RowsKernel = void (*)(int64_t kp, const uint16_t* a, int64_t lda, const float* b, int64_t ldb,
                             const float* in, int64_t ldin, float* out, int64_t ldout);
 
-using NextKernel = void (*)(int64_t kp, const float* a, const float* b, int64_t ldb, float* out,
-                           int64_t ldout, const char* next, int lines);
+using NextKernel = void (*)(int64_t kp, const float* a, const float* b, int64_t ldb, const float* in,
+                           int64_t ldin, float* out, int64_t ldout, const char* next, int lines);
 
 struct KernelSet {
   int mr, nr;
@@ -622,7 +623,7 @@ struct KernelSet {
   bool amx = false;
   // K up to this runs as one block even where it exceeds kc (0: never).
   int64_t kc_whole = 0;
-  // AMX: kern[m] from zero with `lines` lines of `next` prefetched into L2 a step of 32 k
+  // AMX: kern[m] with `lines` lines of `next` prefetched into L2 a step of 32 k
   // (kern_amx_next), or null.
   NextKernel kern_next[33] = {};
   // Tasks spanning several column blocks pack each kc block of A once per row chunk and
@@ -842,15 +843,15 @@ PG_TARGET_AMX void kern_amx(int64_t kp, const float* a, const float* b, int64_t 
   kern_amx_body<MT, false>(kp, a, b, ldb, in, ldin, out, ldout, nullptr, 0);
 }
 
-// kern_amx from zero, with the next A sliver brought into L2 a little every step. Where A
-// streams from L3 (the shared packed A in run_block_kin), each new sliver's first call
-// otherwise waits on it; cpu_amx_tile_probe.cpp (PF -3) took 2.03-2.05 instead of 1.87-1.94
-// TFLOP/s a core with 64 A slivers (bench/CPU_NOTES.md 63). A burst of prefetches before each
-// call instead was slower (1.62-1.65).
+// kern_amx with the next A sliver brought into L2 a little every step. Where A streams from
+// L3 (the shared packed A of pack_a_shared), each new sliver's first call otherwise waits on
+// it; cpu_amx_tile_probe.cpp (PF -3) took 2.03-2.05 instead of 1.87-1.94 TFLOP/s a core with
+// 64 A slivers (bench/CPU_NOTES.md 63). A burst of prefetches before each call instead was
+// slower (1.62-1.65).
 template <int MT>
-PG_TARGET_AMX void kern_amx_next(int64_t kp, const float* a, const float* b, int64_t ldb, float* out,
-                                 int64_t ldout, const char* next, int lines) {
-  kern_amx_body<MT, true>(kp, a, b, ldb, nullptr, 0, out, ldout, next, lines);
+PG_TARGET_AMX void kern_amx_next(int64_t kp, const float* a, const float* b, int64_t ldb, const float* in,
+                                 int64_t ldin, float* out, int64_t ldout, const char* next, int lines) {
+  kern_amx_body<MT, true>(kp, a, b, ldb, in, ldin, out, ldout, next, lines);
 }
 
 // kern[m] and kern_rows[m] of the pair set for m = 1..kAvx512MR.
@@ -1267,93 +1268,73 @@ bool a_in_place(const ConstMatrix& a, int64_t K, int64_t kc, int mr) {
 }
 
 // AMX with A packed for the call (job.a_tiles), a task of more than kKinRows rows and K over
-// kc_whole: row chunks of kKinRows, each through all of K (blocks of ~kKinKc) before the next,
-// with B packed for all of K once per column block. A chunk's fp32 partial sums
-// (kKinRows x nc, 1 MB) then stay in L2 instead of 2048 rows' (8 MB) passing through L3 at
-// every kc block, and a 32-row A sliver of 256 k (16 KB) stays in L1 while B's slivers
-// stream past it, where one of 512 k (32 KB) did not (bench/CPU_NOTES.md 49: the tile kernel
-// at 0.88 against 0.77 TFLOP/s a core with B from L2).
-constexpr int64_t kKinRows = 256, kKinKc = 256;
-constexpr int64_t kKinBMax = int64_t(32) << 20;  // bytes of B packed for all of K, per task
+// AMX GEMMs of many rows with A packed once for the call (pack_a_shared), by K:
+//  * K over kc_whole, up to kKinWholeK: one K block, in column blocks narrow enough that B for
+//    all of K (kKinWholeB bytes) stays in L2 while every row passes it (run_block_kin); no
+//    partial sums through memory. Against blocks of 256 k and 1024 columns on the 2-core Xeon
+//    VM (bench/CPU_NOTES.md 62; call-by-call pairs): 2048^3 0.88x the time.
+//  * K over kKinWholeK: K in even blocks of at most kKinWholeK and B in blocks of kKinWholeB
+//    bytes (256 columns at 2048 k), the task's rows (up to kBigKRows) passing each block before
+//    the next, their fp32 partial sums through L3 (run_block's order, big_k_blocks). Against
+//    K as one block up to 4096 (B at 1 MB: 128 columns at 4096, so each A sliver from L3 served
+//    only 4 calls) and blocks of 256 k above (bench/CPU_NOTES.md 63): 4096^3 0.91x the time,
+//    512 / 1024 x 4096 x 4096 0.89 / 0.94x, 2048 x 2048 x 8192 0.90x, K = 3072 0.96-1.00x.
+constexpr int64_t kKinRows = 256;
+constexpr int64_t kKinWholeK = 2048, kKinWholeB = int64_t(1) << 20;
+constexpr int64_t kBigKRows = 8192;
 
-bool kin_order(const DenseJob& job, int64_t rows, int64_t ncb) {
+bool kin_order(const DenseJob& job, int64_t rows) {
   const KernelSet& ks = *job.ks;
   const int64_t K = job.p->k;
-  return ks.amx && job.a_tiles != nullptr && rows > kKinRows && K > ks.kc_whole &&
-         K * ncb * 2 <= kKinBMax;
+  return ks.amx && job.a_tiles != nullptr && rows > kKinRows && K > ks.kc_whole && K <= kKinWholeK;
 }
 
-// K up to kKinWholeK: one K block, and column blocks narrow enough that B for all of K
-// (kKinWholeB bytes) stays in L2 while every row chunk passes it; no partial sums through
-// memory. Against blocks of kKinKc and 1024 columns on the 2-core Xeon VM (bench/CPU_NOTES.md
-// 62; call-by-call pairs): 2048^3 0.88x the time, 3072^3 0.90x, 4096^3 0.93-1.00x,
-// 4096 x 4096 x 1536 0.84x. K in blocks of 2048 with 256 columns at every K: 4096^3 1.04x.
-constexpr int64_t kKinWholeK = 4096, kKinWholeB = int64_t(1) << 20;
+bool big_k_blocks(const DenseJob& job, int64_t rows) {
+  return job.ks->amx && job.a_tiles != nullptr && rows > kKinRows && job.p->k > kKinWholeK;
+}
 
-bool kin_whole_k(int64_t K) { return K <= kKinWholeK; }
+// B's column block for K (or a K block) of kc: kKinWholeB bytes of pair panels.
+int64_t kin_cols(int64_t kc, int nr) { return std::max<int64_t>(4 * nr, kKinWholeB / (2 * kc) / nr * nr); }
 
 // kern_amx_next's prefetch of the next A sliver, at most this many lines a step of 32 k: a
 // sliver's 32 over 8 or more calls (K up to 2048, B's 1 MB then 256 columns or more). On the
-// 2-core Xeon VM (call-by-call pairs, bench/CPU_NOTES.md 63): 2048^3 0.96x the time,
-// 3072 x 3072 x 2048 0.96x, 4096 x 4096 x 1536 0.97x; with 7 or 8 lines a step (K = 3072,
-// 4096) 0.97-1.07x and 0.99x, not taken.
+// 2-core Xeon VM (call-by-call pairs, bench/CPU_NOTES.md 63): 2048^3 0.95-0.98x the time,
+// 4096 x 4096 x 1536 0.97x; with 7 or 8 lines a step (K = 3072 and 4096 as one block, before
+// those went to big_k_blocks) 0.97-1.07x and 0.99x.
 constexpr int kNextLines = 4;
 
 void run_block_kin(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, int64_t n_hi) {
   const DenseProblem& p = *job.p;
   const KernelSet& ks = *job.ks;
   const int mr = ks.mr, nr = ks.nr;
-  const int64_t K = p.k;
-  const bool whole = kin_whole_k(K);
-  const int64_t npc = whole ? 1 : (K + kKinKc - 1) / kKinKc;
-  const int64_t kcb = round_up((K + npc - 1) / npc, 32), kub = kcb / 2;  // K % 32 == 0
-  const int64_t nc_max =
-      whole ? std::max<int64_t>(4 * nr, kKinWholeB / (2 * K) / nr * nr) : ks.nc;
-  const int64_t ncb = std::min(nc_max, round_up(n_hi - n_lo, nr));
-  float* bp = scratch(0, size_t(npc * kub * ncb));
-  // The partial sums' rows are padded by 16 floats: with ncb = 1024 the 16 rows of a tile
-  // load or store lie 4 KB apart, in one L1 set. Padded: 0.96-0.98x the time at 2048^3 to
-  // 4096^3 (bench/CPU_NOTES.md 60).
-  const int64_t ldw = ncb + 16;
-  float* ws = scratch(2, size_t(kKinRows * ldw));
+  const int64_t ku = p.k / 2;  // pairs; K % 32 == 0
+  const int64_t sliver = ku * mr;  // floats of one 32-row A sliver
+  const int64_t ncb = std::min(kin_cols(p.k, nr), round_up(n_hi - n_lo, nr));
+  float* bp = scratch(0, size_t(ku * ncb));
   alignas(64) float tile[16 * 64];
   for (int64_t jc = n_lo; jc < n_hi; jc += ncb) {
     const int64_t nc = std::min(ncb, n_hi - jc);
-    for (int64_t i = 0; i < npc; ++i) {
-      const int64_t pc = i * kcb;
-      p.pack_b_pairs(p.b_ctx, pc, std::min(kcb, K - pc), jc, nc, nr, bp + i * kub * ncb);
-    }
-    for (int64_t mo = m_lo; mo < m_hi; mo += kKinRows) {
-      const int64_t mch = std::min(kKinRows, m_hi - mo);
-      for (int64_t i = 0; i < npc; ++i) {
-        const int64_t pc = i * kcb, ku = std::min(kcb, K - pc) / 2;
-        const bool first = i == 0, last = i == npc - 1;
-        for (int64_t ir = 0; ir < mch; ir += mr) {
-          const int m = int(std::min<int64_t>(mr, mch - ir));
-          const float* a_sl = job.a_tiles + (mo + ir) / mr * (K / 2) * mr + pc / 2 * mr;
-          // K as one block: the next sliver of A (the task's first one after its last, for
-          // the next column block) comes into L2 in parts, one per call of this sliver, where
-          // that takes at most kNextLines lines a step.
-          const int64_t calls = (nc + nr - 1) / nr;
-          const int lines = int((mr + calls - 1) / calls);  // a sliver: mr lines per 32 k
-          const float* next = nullptr;
-          if (whole && lines <= kNextLines && mo + ir + mr < m_hi) next = a_sl + (K / 2) * mr;
-          else if (whole && lines <= kNextLines && jc + ncb < n_hi) next = job.a_tiles + m_lo / mr * (K / 2) * mr;
-          for (int64_t jr = 0; jr < nc; jr += nr) {
-            const float* b_sl = bp + i * kub * ncb + jr * ku;
-            float* w = ws + ir * ldw + jr;
-            if (next != nullptr) {
-              const char* part = reinterpret_cast<const char*>(next) + jr / nr * lines * 64 * (ku / 16);
-              ks.kern_next[m](ku, a_sl, b_sl, nr, tile, nr, part, lines);
-              job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
-            } else if (last) {
-              ks.kern[m](ku, a_sl, b_sl, nr, first ? nullptr : w, ldw, tile, nr);
-              job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
-            } else {
-              ks.kern[m](ku, a_sl, b_sl, nr, first ? nullptr : w, ldw, w, ldw);
-            }
-          }
+    p.pack_b_pairs(p.b_ctx, 0, p.k, jc, nc, nr, bp);
+    // The next sliver of A (the task's first one after its last, for the next column block)
+    // comes into L2 in parts, one per call of this sliver, where that takes at most
+    // kNextLines lines a step.
+    const int64_t calls = (nc + nr - 1) / nr;
+    const int lines = int((mr + calls - 1) / calls);  // a sliver: mr lines per 32 k
+    for (int64_t ir = m_lo; ir < m_hi; ir += mr) {
+      const int m = int(std::min<int64_t>(mr, m_hi - ir));
+      const float* a_sl = job.a_tiles + ir / mr * sliver;
+      const float* next = nullptr;
+      if (lines <= kNextLines && ir + mr < m_hi) next = a_sl + sliver;
+      else if (lines <= kNextLines && jc + ncb < n_hi) next = job.a_tiles + m_lo / mr * sliver;
+      for (int64_t jr = 0; jr < nc; jr += nr) {
+        const float* b_sl = bp + jr * ku;
+        if (next != nullptr) {
+          const char* part = reinterpret_cast<const char*>(next) + jr / nr * lines * 64 * (ku / 16);
+          ks.kern_next[m](ku, a_sl, b_sl, nr, nullptr, 0, tile, nr, part, lines);
+        } else {
+          ks.kern[m](ku, a_sl, b_sl, nr, nullptr, 0, tile, nr);
         }
+        job.ep.store(tile, nr, ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
       }
     }
   }
@@ -1457,16 +1438,18 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   const int mr = ks.mr, nr = ks.nr;
   const int64_t K = p.k;
   // Even kc blocks: a K of 400 becomes 2 x 200, not 384 + 16.
-  const bool few = few_rows_blocks(ks, m_hi - m_lo);
-  const int64_t kc_max = few ? kFewRowsKc : ks.kc;
+  if (kin_order(job, m_hi - m_lo)) return run_block_kin(job, m_lo, m_hi, n_lo, n_hi);
+  const bool few = few_rows_blocks(ks, m_hi - m_lo), big_k = big_k_blocks(job, m_hi - m_lo);
+  const int64_t kc_max = few ? kFewRowsKc : big_k ? kKinWholeK : ks.kc;
   const int64_t npc = K <= ks.kc_whole ? 1 : (K + kc_max - 1) / kc_max;
   const int64_t kcb = round_up((K + npc - 1) / npc, ks.amx ? 32 : 4);  // AMX: K % 32 == 0
-  const int64_t ncb = std::min(few ? kFewRowsNc : ks.nc, round_up(n_hi - n_lo, nr));
-  if (kin_order(job, m_hi - m_lo, ncb)) return run_block_kin(job, m_lo, m_hi, n_lo, n_hi);
+  const int64_t ncb =
+      std::min(few ? kFewRowsNc : big_k ? kin_cols(kcb, nr) : ks.nc, round_up(n_hi - n_lo, nr));
   // Row chunks of even size: 2048 rows become 2 x 1032, not 2040 + 8 (each chunk packs
   // the B panels again).
-  const int64_t nmch = (m_hi - m_lo + ks.mch - 1) / ks.mch;
-  const int64_t mchb = std::min(ks.mch, round_up((m_hi - m_lo + nmch - 1) / nmch, mr));
+  const int64_t mch_max = big_k ? kBigKRows : ks.mch;
+  const int64_t nmch = (m_hi - m_lo + mch_max - 1) / mch_max;
+  const int64_t mchb = std::min(mch_max, round_up((m_hi - m_lo + nmch - 1) / nmch, mr));
   // Panel rows: k for fp32 panels, pairs of k for bf16 pair panels (32-bit units).
   const bool pairs = ks.bf16_pairs;
   const int64_t kub = pairs ? (kcb + 1) / 2 : kcb;
@@ -1489,6 +1472,8 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
 
   for (int64_t jc = n_lo; jc < n_hi; jc += ncb) {
     const int64_t nc = std::min(ncb, n_hi - jc);
+    const int64_t calls = (nc + nr - 1) / nr;
+    const int lines = int((mr + calls - 1) / calls);  // an A sliver: mr lines per 32 k (AMX)
     for (int64_t mo = m_lo; mo < m_hi; mo += mchb) {
       const int64_t mch = std::min(mchb, m_hi - mo);
       for (int64_t pc = 0; pc < K; pc += kcb) {
@@ -1512,18 +1497,29 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
                               : job.a_tiles ? job.a_tiles + (mo + ir) / mr * (K / 2) * mr + pc / 2 * mr
                                             : ap + ir * ku;
           const uint16_t* a_rows = rows ? a16 + (mo + ir) * p.a.row_stride + pc : nullptr;
-          const auto kern = [&](const float* b_sl, const float* in, float* out, int64_t ldout) {
-            if (rows) ks.kern_rows[m](ku, a_rows, p.a.row_stride, b_sl, nr, in, ldw, out, ldout);
-            else ks.kern[m](ku, a_sl, b_sl, nr, in, ldw, out, ldout);
+          // big_k: the same kc block of the next sliver (or the chunk's first sliver's next
+          // block) into L2 during this sliver's calls, as in run_block_kin.
+          const float* next = nullptr;
+          if (big_k && lines <= kNextLines && ir + mr < mch) next = a_sl + (K / 2) * mr;
+          else if (big_k && lines <= kNextLines && !last) next = job.a_tiles + mo / mr * (K / 2) * mr + (pc + kc) / 2 * mr;
+          const auto kern = [&](int64_t jr, const float* in, float* out, int64_t ldout) {
+            const float* b_sl = bp + jr * ku;
+            if (rows) {
+              ks.kern_rows[m](ku, a_rows, p.a.row_stride, b_sl, nr, in, ldw, out, ldout);
+            } else if (next != nullptr) {
+              const char* part = reinterpret_cast<const char*>(next) + jr / nr * lines * 64 * (ku / 16);
+              ks.kern_next[m](ku, a_sl, b_sl, nr, in, ldw, out, ldout, part, lines);
+            } else {
+              ks.kern[m](ku, a_sl, b_sl, nr, in, ldw, out, ldout);
+            }
           };
           for (int64_t jr = 0; jr < nc; jr += nr) {
-            const float* b_sl = bp + jr * ku;
             float* w = ws ? ws + ir * ldw + jr : nullptr;
             if (last) {
-              kern(b_sl, first ? nullptr : w, tile, nr);
+              kern(jr, first ? nullptr : w, tile, nr);
               job.ep.store(tile, nr, mo + ir, m, jc + jr, std::min<int64_t>(nr, nc - jr));
             } else {
-              kern(b_sl, first ? nullptr : w, w, ldw);
+              kern(jr, first ? nullptr : w, w, ldw);
             }
           }
         }
