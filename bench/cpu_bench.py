@@ -361,10 +361,12 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             row(f"{dt} gemm >= 0.9x torch.matmul at 1024-4096",
                 ", ".join(f"{r['size']}: {r['ratio']:.2f}x" for r in rs), worst >= 0.9,
                 f"ours {max(r['ours_GFLOPs'] for r in rs):.0f} vs torch {best_torch:.0f} GFLOP/s on 2 cores"
-                + (("; on AMX the tile kernel (32 x 32 of C) takes ~76% of the call at 2048; it runs at the "
-                    "tile unit's rate (~2.9 TFLOP/s a core) with its operands in L1, ~1.7-1.9 in the call, where "
-                    "the packed A (8 MB) streams from L3 (a probe: A from L2 would give ~2.2-2.4); packing A and "
-                    "B take ~11% and the epilogue's stores ~6% (bench/CPU_NOTES.md 62, 63)"
+                + (("; on AMX the tile kernel (32 x 32 of C) takes ~76-87% of the call (perf: 2048^3 before "
+                    "CPU_NOTES 63's changes, 4096^3 after); it runs at the tile unit's rate (~2.9 TFLOP/s a core) "
+                    "with its operands in L1 and ~1.7-1.9 in the call, where the packed A streams from L3 (a "
+                    "probe: A from L2 would give ~2.2-2.4); packing and the epilogue's stores take most of the "
+                    "rest, and torch's own time at 4096 moved between 44 and 51 ms over the runs of this kernel "
+                    "code's notes (bench/CPU_NOTES.md 62, 63)"
                     if "amx" in meta.get("isa", "") and meta.get("notes_section", 0) >= 63 else
                     "; on AMX the tile kernel (32 x 32 of C) takes ~76% of the call at 2048, at about its "
                     "in-L1 rate (~2 TFLOP/s a core); packing A and B take ~11% and the epilogue's stores ~6% "
