@@ -1267,8 +1267,8 @@ bool a_in_place(const ConstMatrix& a, int64_t K, int64_t kc, int mr) {
   return true;
 }
 
-// AMX with A packed for the call (job.a_tiles), a task of more than kKinRows rows and K over
-// AMX GEMMs of many rows with A packed once for the call (pack_a_shared), by K:
+// AMX GEMMs of many rows (tasks of more than kKinRows) with A packed once for the call
+// (pack_a_shared), by K:
 //  * K over kc_whole, up to kKinWholeK: one K block, in column blocks narrow enough that B for
 //    all of K (kKinWholeB bytes) stays in L2 while every row passes it (run_block_kin); no
 //    partial sums through memory. Against blocks of 256 k and 1024 columns on the 2-core Xeon
@@ -1437,8 +1437,8 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
   const KernelSet& ks = *job.ks;
   const int mr = ks.mr, nr = ks.nr;
   const int64_t K = p.k;
-  // Even kc blocks: a K of 400 becomes 2 x 200, not 384 + 16.
   if (kin_order(job, m_hi - m_lo)) return run_block_kin(job, m_lo, m_hi, n_lo, n_hi);
+  // Even kc blocks: a K of 400 becomes 2 x 200, not 384 + 16.
   const bool few = few_rows_blocks(ks, m_hi - m_lo), big_k = big_k_blocks(job, m_hi - m_lo);
   const int64_t kc_max = few ? kFewRowsKc : big_k ? kKinWholeK : ks.kc;
   const int64_t npc = K <= ks.kc_whole ? 1 : (K + kc_max - 1) / kc_max;
@@ -1466,7 +1466,10 @@ void run_block(const DenseJob& job, int64_t m_lo, int64_t m_hi, int64_t n_lo, in
     return run_block_a_once(job, m_lo, m_hi, n_lo, n_hi, kcb, ncb);
   float* bp = scratch(0, size_t(kub * ncb));
   float* ap_all = rows || job.a_tiles ? nullptr : scratch(1, size_t(kub * mchb * (keep_a ? npc : 1)));
-  const int64_t ldw = ncb + 16;  // padded, as in run_block_kin: 0.985x at M = 256 (CPU_NOTES 60)
+  // The partial sums' rows padded by 16 floats: with ncb = 1024 the 16 rows of a tile load or
+  // store lay 4 KB apart, in one L1 set (0.96-0.98x the time at 2048^3 to 4096^3, 0.985x at
+  // M = 256: bench/CPU_NOTES.md 60).
+  const int64_t ldw = ncb + 16;
   float* ws = npc > 1 ? scratch(2, size_t(mchb * ldw)) : nullptr;
   alignas(64) float tile[16 * 64];
 
