@@ -6,8 +6,8 @@
 // library's order: one A sliver stays in L1, B streams), LOOP 1 the A slivers, LOOP 2 the
 // products alone (kern_no_loads: the tile unit's rate). PF > 0 adds prefetcht0 of the B rows
 // PF steps of 32 k ahead (32 lines a step); PF -1 prefetches the next A sliver into L2 in NB
-// parts, one before each call; PF -2 loads and stores C's partial sums in every call (kern_c);
-// PF -3 prefetches the next A sliver spread through the calls' k loops (kern_pf_next).
+// parts, one before each call; PF -2 loads and stores C's partial sums in every call; PF -3
+// prefetches the next A sliver spread through the calls' k loops, as kern_amx_next does.
 // Prints TFLOP/s of the fastest of 7 repetitions of >= 20000 calls, and ns per tdpbf16ps.
 // bench/CPU_NOTES.md 49; 63 aligned the operands to 64 bytes (49's figures for operands from
 // L2 had every tile row across two lines) and added LOOP 2 and PF -1 / -2.
@@ -63,14 +63,26 @@ __attribute__((target("amx-tile"))) bool tiles_on() {
   return true;
 }
 
+// One call: C from zero, or (c_in) loaded from partial sums; stored to out (ldc floats a row).
+// pf > 0: prefetcht0 of the B rows pf steps of 32 k ahead; lines > 0: `lines` prefetcht1 a
+// step of `next` (PF -3).
 __attribute__((target("amx-tile,amx-bf16,sse"))) void kern(int64_t kp, const char* a, const char* b,
-                                                           float* out, int pf) {
+                                                           float* out, int64_t ldc, bool c_in, int pf,
+                                                           const char* next, int lines) {
   constexpr int64_t kRow = 128;  // bytes of a B pair row (32 columns)
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if (c_in) {
+    _tile_loadd(0, out, ldc * 4);
+    _tile_loadd(1, out + 16, ldc * 4);
+    _tile_loadd(2, out + 16 * ldc, ldc * 4);
+    _tile_loadd(3, out + 16 * ldc + 16, ldc * 4);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t p = 0; p < kp; p += 16) {
+    for (int l = 0; l < lines; ++l) _mm_prefetch(next + (p / 16 * lines + l) * 64, _MM_HINT_T1);
     _tile_loadd(4, a + 128 * p, 64);
     _tile_loadd(6, b + p * kRow, kRow);
     _tile_loadd(7, b + p * kRow + 64, kRow);
@@ -82,10 +94,10 @@ __attribute__((target("amx-tile,amx-bf16,sse"))) void kern(int64_t kp, const cha
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, out, 128);
-  _tile_stored(1, out + 16, 128);
-  _tile_stored(2, out + 512, 128);
-  _tile_stored(3, out + 528, 128);
+  _tile_stored(0, out, ldc * 4);
+  _tile_stored(1, out + 16, ldc * 4);
+  _tile_stored(2, out + 16 * ldc, ldc * 4);
+  _tile_stored(3, out + 16 * ldc + 16, ldc * 4);
 }
 
 // The unit's own rate: the same four products per 32 k on tiles loaded once, no loads in the
@@ -105,58 +117,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void kern_no_loads(int64_t kp, cons
   for (int64_t p = 0; p < kp; p += 16) {
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, out, 128);
-  _tile_stored(1, out + 16, 128);
-  _tile_stored(2, out + 512, 128);
-  _tile_stored(3, out + 528, 128);
-}
-
-// PF -2: the kernel with its 32 x 32 block of C loaded from and stored to fp32 partial sums
-// (the library's kernel for every kc block but the first), ldc floats a row.
-__attribute__((target("amx-tile,amx-bf16"))) void kern_c(int64_t kp, const char* a, const char* b, float* c,
-                                                         int64_t ldc) {
-  constexpr int64_t kRow = 128;
-  _tile_loadd(0, c, ldc * 4);
-  _tile_loadd(1, c + 16, ldc * 4);
-  _tile_loadd(2, c + 16 * ldc, ldc * 4);
-  _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
-  for (int64_t p = 0; p < kp; p += 16) {
-    _tile_loadd(4, a + 128 * p, 64);
-    _tile_loadd(6, b + p * kRow, kRow);
-    _tile_loadd(7, b + p * kRow + 64, kRow);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a + 128 * p + 1024, 64);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, c, ldc * 4);
-  _tile_stored(1, c + 16, ldc * 4);
-  _tile_stored(2, c + 16 * ldc, ldc * 4);
-  _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
-}
-
-// PF -3: the kernel with LINES prefetcht1 a step (32 k) of `next` (the next A sliver's part
-// for this call), spread through the k loop instead of a burst before the call.
-template <int LINES>
-__attribute__((target("amx-tile,amx-bf16"))) void kern_pf_next(int64_t kp, const char* a, const char* b,
-                                                               float* out, const char* next) {
-  constexpr int64_t kRow = 128;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t p = 0; p < kp; p += 16) {
-    for (int l = 0; l < LINES; ++l) _mm_prefetch(next + (p / 16 * LINES + l) * 64, _MM_HINT_T1);
-    _tile_loadd(4, a + 128 * p, 64);
-    _tile_loadd(6, b + p * kRow, kRow);
-    _tile_loadd(7, b + p * kRow + 64, kRow);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a + 128 * p + 1024, 64);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
@@ -210,20 +170,20 @@ int main(int argc, char** argv) {
             for (int64_t o = ib * part; o < (ib + 1) * part; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
           }
           if (pf == -3) {  // the next A sliver, 1/NB of it per call, spread through the call
-            const int64_t part = sliver / nb, lines = part / 64 / (kc / 32);
-            const char* next = a0 + ((ia + 1) % na) * sliver + ib * part;
-            if (lines >= 4) kern_pf_next<4>(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, next);
-            else if (lines >= 2) kern_pf_next<2>(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, next);
-            else kern_pf_next<1>(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, next);
+            const int64_t part = sliver / nb;
+            const int lines = int((part / 64 + kc / 32 - 1) / (kc / 32));  // per step of 32 k
+            kern(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, 32, false, 0,
+                 a0 + ((ia + 1) % na) * sliver + ib * part, lines);
             continue;
           }
           if (pf == -2) {  // partial sums of 8 A slivers (256 rows) x NB slivers, padded rows
             const int64_t ldc = nb * 32 + 16;
-            kern_c(kc / 2, a0 + ia * sliver, b0 + ib * sliver, ws.data() + (ia % 8) * 32 * ldc + ib * 32, ldc);
+            kern(kc / 2, a0 + ia * sliver, b0 + ib * sliver, ws.data() + (ia % 8) * 32 * ldc + ib * 32, ldc,
+                 true, 0, nullptr, 0);
             continue;
           }
           if (loop == 2) kern_no_loads(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out);
-          else kern(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, pf < 0 ? 0 : pf);
+          else kern(kc / 2, a0 + ia * sliver, b0 + ib * sliver, out, 32, false, pf < 0 ? 0 : pf, nullptr, 0);
         }
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
