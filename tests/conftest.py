@@ -45,8 +45,8 @@ LARGE_K = [(16, 8192, 64)]
 # column blocks and packs the shared A itself. The seventh: a task of at most 256 rows with
 # K over 2048 (AMX: 3 kc blocks of 1408 / 1344). The eighth: more than 256 rows with K over
 # 2048 (AMX, big_k_blocks: all 300 rows through each of 3 kc blocks of 1408 / 1344, partial
-# sums in between). The ninth: fewer rows than
-# one micro-kernel sliver and more than the row-streaming path's 8, over several column blocks.
+# sums in between). The ninth: fewer rows than one micro-kernel sliver and more than the
+# row-streaming path's 8, over several column blocks.
 BLOCK_EDGES = [(2053, 1601, 2100), (45, 1601, 2100), (45, 1600, 2100), (45, 992, 2100), (2085, 1088, 1100),
                (16, 32, 2080), (45, 4160, 600), (300, 4160, 100), (9, 64, 2100)]
 

@@ -46,7 +46,8 @@ def test_bias_activation(device, dtype, activation):
 def test_block_edges_bias_activation(device, dtype, mkn):
     # The epilogue with a bias and an activation on large blocked shapes (BLOCK_EDGES' fifth
     # and eighth): on AMX the first takes K as one block, column blocks of 480 and 70 columns
-    # and a 5-row last sliver; the second its K in blocks through fp32 partial sums. 2-byte outputs take the 32-column stores; 1100 and 100 leave short tails.
+    # and a 5-row last sliver; the second its K in blocks through fp32 partial sums. 2-byte
+    # outputs take the 32-column stores; 1100 and 100 leave short tails.
     m, k, n = mkn
     a, b, bias = rand((m, k), dtype, device), rand((k, n), dtype, device), rand((n,), dtype, device)
     assert_close(pg.gemm(a, b, bias=bias, activation="gelu"), gemm_ref(a, b, bias, "gelu"), dtype)
