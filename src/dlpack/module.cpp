@@ -313,6 +313,9 @@ Result epilogue_and_output(Args& args, pg::Matrix Args::*out_field, int64_t rows
   } else {
     r.fresh.emplace(std::initializer_list<size_t>{(size_t)rows, (size_t)n}, dt, w);
     args.*out_field = pg::Matrix{r.fresh->data, rows, n, std::max<int64_t>(n, 1), 1, dt};
+    // written in full by the kernel next: large ones offered huge pages, as the torch
+    // binding does (not quantize's weights: bench/CPU_NOTES.md 64)
+    if (!w.cuda) pg::cpu::advise_new_output(r.fresh->data, size_t(rows) * size_t(n) * pg::dtype_size(dt));
   }
   return r;
 }

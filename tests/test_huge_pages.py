@@ -1,0 +1,117 @@
+"""Large CPU outputs are offered transparent huge pages before the kernel's first touch
+(cpu::advise_new_output; bench/CPU_NOTES.md 64): the advice reaches the output's whole
+2 MiB pages and nothing else, PORTABLE_GEMM_HUGE_PAGES=0 turns it off, and the results do
+not change. Linux only: the advice is madvise(MADV_HUGEPAGE), seen as the "hg" flag of the
+mapping in /proc/self/smaps, whatever the system's THP mode."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_close, dequant_ref, run_python
+
+import portable_gemm as pg
+import portable_gemm.dlpack as door
+
+HUGE = 2 << 20
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="madvise(MADV_HUGEPAGE) needs Linux with transparent huge pages in the kernel")
+
+
+def vm_flags(addr: int) -> set[str]:
+    """The VmFlags of the mapping that holds addr."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def huge_pages_inside(ptr: int, nbytes: int) -> list[int]:
+    first = (ptr + HUGE - 1) // HUGE * HUGE
+    return list(range(first, (ptr + nbytes) // HUGE * HUGE, HUGE))
+
+
+# more than glibc's largest mmap threshold (32 MiB): each output is a mapping of its own,
+# so a page not advised cannot carry an earlier call's flag
+M, K, N = 4104, 24, 4096
+
+
+def test_gemm_output_advised_and_switch_off(monkeypatch):
+    a, b = torch.randn(M, K, dtype=torch.bfloat16), torch.randn(K, N, dtype=torch.bfloat16)
+    monkeypatch.setenv("PORTABLE_GEMM_HUGE_PAGES", "1")
+    out = pg.gemm(a, b)
+    ptr, nbytes = out.data_ptr(), out.numel() * out.element_size()
+    pages = huge_pages_inside(ptr, nbytes)
+    assert len(pages) >= 15
+    assert all("hg" in vm_flags(p) for p in pages)
+    # the partial huge pages at either end are not wholly ours: not advised
+    if pages[0] > ptr:
+        assert "hg" not in vm_flags(pages[0] - 4096)
+    if pages[-1] + HUGE < ptr + nbytes:
+        assert "hg" not in vm_flags(pages[-1] + HUGE)
+    assert_close(out, a.double() @ b.double(), torch.bfloat16)
+
+    monkeypatch.setenv("PORTABLE_GEMM_HUGE_PAGES", "0")
+    off = pg.gemm(a, b)
+    off_pages = huge_pages_inside(off.data_ptr(), off.numel() * off.element_size())
+    assert off_pages and not any("hg" in vm_flags(p) for p in off_pages)
+    assert torch.equal(out, off)
+
+
+def test_mixed_linear_output_advised():
+    w = torch.randn(N, 256, dtype=torch.bfloat16)
+    q, s = pg.quantize_weight(w, bits=8)
+    x = torch.randn(M, 256, dtype=torch.bfloat16)
+    out = pg.mixed_linear(x, q, s, bits=8)
+    pages = huge_pages_inside(out.data_ptr(), out.numel() * out.element_size())
+    assert pages and all("hg" in vm_flags(p) for p in pages)
+    assert_close(out, x.double() @ dequant_ref(q, s, 8, None).double().T, torch.bfloat16)
+    # the weights are not advised (notes 64: slower at M = 1)
+    assert not any("hg" in vm_flags(p) for p in huge_pages_inside(q.data_ptr(), q.numel()))
+
+
+def test_small_output_not_advised():
+    # Below kHugeOutputMinBytes (4 MiB): outputs of 4 MiB less 64 B, less 128 B, ... until
+    # one holds a whole huge page (its mapping may start on a huge page, the data 64 B in),
+    # then one of 4 MiB + 4 KiB. In a fresh process: an earlier test's advised output,
+    # freed, may have left its flag on heap memory that these reuse.
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "import torch, portable_gemm as pg\n"
+            "from test_huge_pages import vm_flags, huge_pages_inside\n"
+            "a, b, keep = torch.randn(1, 8), torch.randn(8, 1 << 20), []\n"
+            "def show(n):\n"
+            "    keep.append(pg.gemm(a, b[:, :n]))\n"
+            "    pages = huge_pages_inside(keep[-1].data_ptr(), n * 4)\n"
+            "    if pages:\n"
+            "        print(n * 4, len(pages), sum('hg' in vm_flags(p) for p in pages))\n"
+            "    return pages\n"
+            "next((n for n in range((1 << 20) - 16, (1 << 20) - 16 * 65, -16) if show(n)), None)\n"
+            "show((1 << 20) + 1024)\n")
+    proc = run_python(code, unset=("PORTABLE_GEMM_HUGE_PAGES",))
+    assert proc.returncode == 0, proc.stderr
+    lines = [tuple(map(int, line.split())) for line in proc.stdout.splitlines()]
+    assert len(lines) == 2, f"no output below 4 MiB held a whole huge page: {proc.stdout!r}"
+    (small, small_pages, small_hg), (big, big_pages, big_hg) = lines
+    assert small < 4 << 20 and small_pages >= 1 and small_hg == 0, \
+        f"{small_hg} of {small_pages} whole huge pages of a {small}-byte output advised"
+    assert big > 4 << 20 and big_pages >= 1 and big_hg == big_pages, \
+        f"{big_hg} of {big_pages} whole huge pages of a {big}-byte output advised"
+
+
+def test_dlpack_fresh_output_advised():
+    a = np.random.default_rng(0).standard_normal((M, K), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((K, N), dtype=np.float32)
+    out = door.gemm(a, b)
+    pages = huge_pages_inside(out.__array_interface__["data"][0], out.nbytes)
+    assert pages and all("hg" in vm_flags(p) for p in pages)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
