@@ -76,7 +76,7 @@ def test_mixed_linear_output_advised():
     pages = huge_pages_inside(out.data_ptr(), out.numel() * out.element_size())
     assert pages and all("hg" in vm_flags(p) for p in pages)
     assert_close(out, x.double() @ dequant_ref(q, s, 8, None).double().T, torch.bfloat16)
-    # the weights are not advised (notes 64: slower at M = 1)
+    # the weights are not advised (notes 64: no faster on huge pages)
     assert not any("hg" in vm_flags(p) for p in huge_pages_inside(q.data_ptr(), q.numel()))
 
 

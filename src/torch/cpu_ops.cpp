@@ -15,8 +15,8 @@ struct CpuBackend {
   }
   // gemm's and mixed_linear's outputs are new (add_epilogue_and_output) and written in
   // full: large ones are offered huge pages before their first touch
-  // (cpu::advise_new_output). quantize_weight's are not: weights on huge pages read
-  // 1.03-1.06x slower at M = 1 on the Xeon VM (bench/CPU_NOTES.md 64).
+  // (cpu::advise_new_output). quantize_weight's are not: weights on huge pages read no
+  // faster on the Xeon VM (0.97-1.06x the time at M = 1, bench/CPU_NOTES.md 64).
   static void advise(const Matrix& out) {
     cpu::advise_new_output(out.data, size_t(out.rows * out.cols) * dtype_size(out.dtype));
   }
