@@ -1,8 +1,9 @@
 """Large CPU outputs are offered transparent huge pages before the kernel's first touch
 (cpu::advise_new_output; bench/CPU_NOTES.md 64): the advice reaches the output's whole
 2 MiB pages and nothing else, PORTABLE_GEMM_HUGE_PAGES=0 turns it off, and the results do
-not change. Linux only: the advice is madvise(MADV_HUGEPAGE), seen as the "hg" flag of the
-mapping in /proc/self/smaps, whatever the system's THP mode."""
+not change, and info() says what outputs get. The mapping checks are Linux only: the advice
+is madvise(MADV_HUGEPAGE), seen as the "hg" flag of the mapping in /proc/self/smaps,
+whatever the system's THP mode."""
 
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import portable_gemm.dlpack as door
 
 HUGE = 2 << 20
 
-pytestmark = pytest.mark.skipif(
+linux_thp = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
     reason="madvise(MADV_HUGEPAGE) needs Linux with transparent huge pages in the kernel")
 
@@ -46,6 +47,7 @@ def huge_pages_inside(ptr: int, nbytes: int) -> list[int]:
 M, K, N = 4104, 24, 4096
 
 
+@linux_thp
 def test_gemm_output_advised_and_switch_off(monkeypatch):
     a, b = torch.randn(M, K, dtype=torch.bfloat16), torch.randn(K, N, dtype=torch.bfloat16)
     monkeypatch.setenv("PORTABLE_GEMM_HUGE_PAGES", "1")
@@ -68,6 +70,7 @@ def test_gemm_output_advised_and_switch_off(monkeypatch):
     assert torch.equal(out, off)
 
 
+@linux_thp
 def test_mixed_linear_output_advised():
     w = torch.randn(N, 256, dtype=torch.bfloat16)
     q, s = pg.quantize_weight(w, bits=8)
@@ -80,6 +83,7 @@ def test_mixed_linear_output_advised():
     assert not any("hg" in vm_flags(p) for p in huge_pages_inside(q.data_ptr(), q.numel()))
 
 
+@linux_thp
 def test_small_output_not_advised():
     # Below kHugeOutputMinBytes (4 MiB): outputs of 4 MiB less 64 B, less 128 B, ... until
     # one holds a whole huge page (its mapping may start on a huge page, the data 64 B in),
@@ -108,6 +112,7 @@ def test_small_output_not_advised():
         f"{big_hg} of {big_pages} whole huge pages of a {big}-byte output advised"
 
 
+@linux_thp
 def test_dlpack_fresh_output_advised():
     a = np.random.default_rng(0).standard_normal((M, K), dtype=np.float32)
     b = np.random.default_rng(1).standard_normal((K, N), dtype=np.float32)
@@ -115,3 +120,29 @@ def test_dlpack_fresh_output_advised():
     pages = huge_pages_inside(out.__array_interface__["data"][0], out.nbytes)
     assert pages and all("hg" in vm_flags(p) for p in pages)
     np.testing.assert_allclose(out, a @ b, rtol=1e-4, atol=1e-4)
+
+
+@linux_thp
+def test_info_reports_the_advice(monkeypatch):
+    from portable_gemm._info import _thp_mode
+
+    mode = _thp_mode()
+    assert mode in ("always", "madvise", "never")
+    monkeypatch.setenv("PORTABLE_GEMM_HUGE_PAGES", "0")
+    assert pg.info()["features"]["cpu_huge_pages"] == f"off (PORTABLE_GEMM_HUGE_PAGES=0; THP mode {mode})"
+    monkeypatch.delenv("PORTABLE_GEMM_HUGE_PAGES")
+    assert "off" not in pg.info()["features"]["cpu_huge_pages"]
+
+
+@pytest.mark.parametrize("env, mode, want", [
+    (None, "madvise", "huge pages: outputs of 4 MiB and more advised (THP mode madvise)"),
+    ("1", "madvise", "huge pages: outputs of 4 MiB and more advised (THP mode madvise)"),
+    ("0", "madvise", "off (PORTABLE_GEMM_HUGE_PAGES=0; THP mode madvise)"),
+    (None, "always", "huge pages (THP mode always; the advice is redundant)"),
+    (None, "never", "advised, but the THP mode is never: small pages"),
+    ("0", None, "small pages: no transparent huge pages on this system"),
+])
+def test_huge_pages_state(env, mode, want):
+    from portable_gemm._info import huge_pages_state
+
+    assert huge_pages_state(env, mode) == want

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import torch
 
 
@@ -14,6 +18,7 @@ def info() -> dict:
     if _state.cpu_binding is not None:  # what runs the CPU ops now (changes in a forked child)
         now = _state.cpu_binding.current_info()
         features.update({k: now[k] for k in ("threading", "threading_why") if k in now})
+    features["cpu_huge_pages"] = huge_pages_state(os.environ.get("PORTABLE_GEMM_HUGE_PAGES"), _thp_mode())
     return {
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
@@ -26,6 +31,33 @@ def info() -> dict:
         "libraries": dict(_state.libraries),
         "manifest": _state.manifest,
     }
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode ("always", "madvise", "never"), None off Linux
+    or where the kernel has no THP."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    chosen = [w.strip("[]") for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else None
+
+
+def huge_pages_state(env: str | None, thp_mode: str | None) -> str:
+    """What CPU outputs of 4 MiB and more get before the kernel's first touch
+    (cpu::advise_new_output, read on every call; bench/CPU_NOTES.md 64), in one line."""
+    if thp_mode is None:
+        return "small pages: no transparent huge pages on this system"
+    if env == "0":
+        return f"off (PORTABLE_GEMM_HUGE_PAGES=0; THP mode {thp_mode})"
+    if thp_mode == "never":
+        return "advised, but the THP mode is never: small pages"
+    if thp_mode == "always":
+        return "huge pages (THP mode always; the advice is redundant)"
+    return f"huge pages: outputs of 4 MiB and more advised (THP mode {thp_mode})"
 
 
 def format_info(d: dict) -> str:
