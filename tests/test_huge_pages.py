@@ -17,11 +17,12 @@ from conftest import assert_close, dequant_ref, run_python
 import portable_gemm as pg
 import portable_gemm.dlpack as door
 
-HUGE = 2 << 20
+THP = Path("/sys/kernel/mm/transparent_hugepage")
+HUGE = int((THP / "hpage_pmd_size").read_text()) if (THP / "hpage_pmd_size").exists() else 2 << 20
 
 linux_thp = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
-    reason="madvise(MADV_HUGEPAGE) needs Linux with transparent huge pages in the kernel")
+    not sys.platform.startswith("linux") or not THP.exists() or HUGE != 2 << 20,
+    reason="needs Linux with transparent huge pages of 2 MiB (the shapes below are sized for them)")
 
 
 def vm_flags(addr: int) -> set[str]:

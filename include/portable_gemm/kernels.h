@@ -143,8 +143,8 @@ PG_API Status quantize(const QuantizeArgs& args, const Executor& exec);
 // "avx512+bf16" (vdpbf16ps), "avx512", "avx2" or "generic".
 PG_API const char* isa();
 // For a door that has just allocated an output the kernel will write in full (bytes from
-// data): on Linux, asks for transparent huge pages on its whole 2 MiB pages when the
-// output spans at least kHugeOutputMinBytes. A fresh 32 MiB output otherwise takes 8192
+// data): on Linux, asks for transparent huge pages on its whole huge pages (2 MiB on
+// x86-64; the kernel's hpage_pmd_size) when the output spans at least kHugeOutputMinBytes. A fresh 32 MiB output otherwise takes 8192
 // first-touch page faults, about 10 ms of CPU time (bench/CPU_NOTES.md 64). It does nothing
 // elsewhere, for smaller outputs, or with PORTABLE_GEMM_HUGE_PAGES=0 in the environment.
 // Returns whether it asked (the system may still give small pages: THP set to "never").

@@ -1,5 +1,6 @@
 // Memory advice for outputs the doors have just allocated (include/portable_gemm/kernels.h).
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -11,6 +12,25 @@
 
 namespace portable_gemm::cpu {
 
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+namespace {
+// The transparent huge page's size: 2 MiB on x86-64 and on aarch64 with 4 KiB pages, 512 MiB
+// on aarch64 kernels with 64 KiB pages. Read once; 2 MiB where the file cannot be read.
+uintptr_t huge_page_bytes() {
+  static const uintptr_t bytes = [] {
+    unsigned long long v = 0;
+    if (FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", "r")) {
+      if (std::fscanf(f, "%llu", &v) != 1) v = 0;
+      std::fclose(f);
+    }
+    const bool power_of_two = v >= 4096 && (v & (v - 1)) == 0;
+    return power_of_two ? uintptr_t(v) : uintptr_t(2) << 20;
+  }();
+  return bytes;
+}
+}  // namespace
+#endif
+
 bool advise_new_output(void* data, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (data == nullptr || bytes < kHugeOutputMinBytes) return false;
@@ -20,7 +40,7 @@ bool advise_new_output(void* data, size_t bytes) {
   if (env != nullptr && std::strcmp(env, "0") == 0) return false;
   // Only the huge pages that lie wholly inside the output: the advice never reaches memory
   // that is not ours.
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t kHuge = huge_page_bytes();
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
   if (end <= begin) return false;
