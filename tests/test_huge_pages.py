@@ -1,6 +1,6 @@
 """Large CPU outputs are offered transparent huge pages before the kernel's first touch
 (cpu::advise_new_output; bench/CPU_NOTES.md 64): the advice reaches the output's whole
-2 MiB pages and nothing else, PORTABLE_GEMM_HUGE_PAGES=0 turns it off, and the results do
+2 MiB pages and nothing else, PORTABLE_GEMM_HUGE_PAGES=0 turns it off, the results do
 not change, and info() says what outputs get. The mapping checks are Linux only: the advice
 is madvise(MADV_HUGEPAGE), seen as the "hg" flag of the mapping in /proc/self/smaps,
 whatever the system's THP mode."""
