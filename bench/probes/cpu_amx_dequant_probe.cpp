@@ -8,6 +8,13 @@
 //                      taken in turn as amx_rows does, 1 by default)
 //   PGX_AMX=1 ./probe  (the same with the tiles configured and one zeroed first, and two
 //                      more rows: amx_rows' tile steps alone, and interleaved as it does)
+//   PGX_XBIG=1         x's tiles over all of K (K * 64 bytes), as the library packs them,
+//                      instead of one block's 4 KiB that stay in L1
+//   PGX_XPF=1          and the next block's x tile prefetched into L1, a line a row
+//
+// The weights' footprint and row stride decide much of the rate: 60's 42 weights/ns came
+// from K = 2048 with one block (64 KiB); over 1 MiB, K = 1024 or 11008 read ~31-33, K = 4096
+// ~49 (bench/CPU_NOTES.md 65).
 //
 // Prints ns per row-block of 128 k and weights per ns, fastest of 15 repetitions.
 #include <immintrin.h>
@@ -66,7 +73,10 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void tile_step_dp() {
   _tile_dpbf16ps(2, 4, 6);
   _tile_dpbf16ps(3, 5, 6);
 }
-alignas(64) uint16_t g_x[4 * 512];  // x's tiles of a block (zero: only the time counts)
+// x's tiles (zero: only the time counts): one block's 4 KiB, or all of K's (g_xk = K)
+uint16_t* g_x = nullptr;
+int64_t g_xk = 0;
+int g_xpf = 0;
 alignas(64) float g_ctile[4][256];  // a block's four accumulator tiles, stored
 alignas(64) float g_acc[64][16];    // fp32 sums of 64 channels x 16 rows of x
 alignas(64) float g_xsum[16];       // the group's sums of x (the offset's correction)
@@ -101,20 +111,23 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
   // amx_rows issues them (kStepsOnly: and no dequantisation).
   const uint16_t* other = abuf == g_abuf ? g_abuf + 8192 : g_abuf;
   if (V == kStepsOnly) {
-    for (int c = 0; c < 4; ++c) tile_step(other + c * 2048, g_x + c * 512);
+    for (int c = 0; c < 4; ++c) tile_step(other + c * 2048, g_x + (g_xk ? (k0 % g_xk) / 32 * 512 : 0) + c * 512);
     return _mm512_setzero_si512();
   }
   const __m512i sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1);
   const __m512i c0f = _mm512_set1_epi16(0x0F);
+  const uint16_t* xb = g_x + (g_xk ? (k0 % g_xk) / 32 * 512 : 0);
+  const uint16_t* xn = g_x + (g_xk ? ((k0 + 128) % g_xk) / 32 * 512 : 0);
   __m512i sink = _mm512_setzero_si512();
   const bool more_k = k0 + kKc < K;
   for (int r = 0; r < kRows; ++r) {
-    if ((V == kSteps || V == kOldSteps || V == kNoPermSteps || V == kNoPermStepsScaled) && (r & 15) == 0) tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+    if ((V == kSteps || V == kOldSteps || V == kNoPermSteps || V == kNoPermStepsScaled) && (r & 15) == 0) tile_step(other + (r >> 4) * 2048, xb + (r >> 4) * 512);
     if (V == kStepsLoads && (r & 15) == 0)
-      tile_step_loads(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+      tile_step_loads(other + (r >> 4) * 2048, xb + (r >> 4) * 512);
     if (V == kStepsDp && (r & 15) == 0) tile_step_dp();
     const uint8_t* q = w + (V == kSameRow ? 0 : r) * stride;
     uint16_t* dst = abuf + (r >> 4) * 512 + (r & 15) * 32;
+    if (g_xpf) _mm_prefetch(reinterpret_cast<const char*>(xn + r * 32), _MM_HINT_T0);
     if (V != kNoPrefetch && more_k)
       for (int64_t o = 0; o < 128; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(q + (k0 + kKc) / 2 + o), _MM_HINT_T2);
@@ -124,7 +137,7 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
       // Four nibbles a word with no masking: the table's halves are equal (one scale), and
       // vpermw reads only an index's low five bits.
       if (V == kQuad2Steps && (r & 15) == 0)
-        tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+        tile_step(other + (r >> 4) * 2048, xb + (r >> 4) * 512);
       const __m512i wv = _mm512_loadu_si512(q + k0 / 2);
       _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(wv, lut));
       _mm512_storeu_si512(dst + kNT * 512, _mm512_permutexvar_epi16(_mm512_srli_epi16(wv, 4), lut));
@@ -136,7 +149,7 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
       // The block's 64 bytes as 32 words of four nibbles (k = 4j .. 4j + 3): vpermw reads the
       // low 5 bits of each index word, so each nibble is moved there, no zero-extension.
       if (V == kQuadSteps && (r & 15) == 0)
-        tile_step(other + (r >> 4) * 2048, g_x + (r >> 4) * 512);
+        tile_step(other + (r >> 4) * 2048, xb + (r >> 4) * 512);
       const __m512i wv = _mm512_loadu_si512(q + k0 / 2);
       const __m512i n0 = _mm512_ternarylogic_epi32(wv, c0f, sel, 0xEA);
       const __m512i n1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(wv, 4), c0f, sel, 0xEA);
@@ -257,6 +270,11 @@ int main(int argc, char** argv) {
   uint16_t* abuf = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * 8192 * 2));
   std::memset(abuf, 0, 2 * 8192 * 2);
   g_abuf = abuf;
+  g_xk = std::getenv("PGX_XBIG") ? K : 0;
+  g_xpf = std::getenv("PGX_XPF") != nullptr;
+  const size_t xbytes = size_t(std::max<int64_t>(K, kKc)) * 64;  // [K / 32] tiles of 1 KiB
+  g_x = static_cast<uint16_t*>(std::aligned_alloc(64, xbytes));
+  std::memset(g_x, 0, xbytes);
   const bool amx = std::getenv("PGX_AMX") != nullptr;
   if (amx) tiles_on();
   std::printf("%sK = %lld, %lld rows: int4 %lld KB, int8 %lld KB\n", amx ? "tiles configured; " : "", (long long)K, (long long)(cb * kRows),
@@ -294,4 +312,5 @@ int main(int argc, char** argv) {
   run("int8 one row (L1)", int8_block<kSameRow>, w8.data(), K, sc.data(), K, abuf, cb);
   if (amx) tiles_off();
   std::free(abuf);
+  std::free(g_x);
 }
