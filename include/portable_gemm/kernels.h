@@ -144,11 +144,17 @@ PG_API Status quantize(const QuantizeArgs& args, const Executor& exec);
 PG_API const char* isa();
 // For a door that has just allocated an output the kernel will write in full (bytes from
 // data): on Linux, asks for transparent huge pages on its whole huge pages (2 MiB on
-// x86-64; the kernel's hpage_pmd_size) when the output spans at least kHugeOutputMinBytes. A fresh 32 MiB output otherwise takes 8192
-// first-touch page faults, about 10 ms of CPU time (bench/CPU_NOTES.md 64). It does nothing
-// elsewhere, for smaller outputs, or with PORTABLE_GEMM_HUGE_PAGES=0 in the environment.
-// Returns whether it asked (the system may still give small pages: THP set to "never").
-constexpr size_t kHugeOutputMinBytes = size_t(4) << 20;
+// x86-64; the kernel's hpage_pmd_size) when the output spans at least kHugeOutputMinBytes.
+// A fresh 32 MiB output otherwise takes 8192 first-touch page faults, about 10 ms of CPU
+// time (bench/CPU_NOTES.md 64). It does nothing elsewhere, for smaller outputs, or with
+// PORTABLE_GEMM_HUGE_PAGES=0 in the environment. Returns whether it asked (the system may
+// still give small pages: THP set to "never").
+// 32 MiB is glibc's largest mmap threshold: an allocation that size or larger is a mapping
+// of its own, unmapped when freed, so the advice goes with it. A smaller output may come
+// from (and go back to) the heap, where the advice outlived it: the caller's own tensors
+// allocated there later got huge pages too, and these outputs gained nothing from the
+// advice (bench/CPU_NOTES.md 65).
+constexpr size_t kHugeOutputMinBytes = size_t(32) << 20;
 PG_API bool advise_new_output(void* data, size_t bytes);
 }  // namespace cpu
 

@@ -47,8 +47,8 @@ def _thp_mode() -> str | None:
 
 
 def huge_pages_state(env: str | None, thp_mode: str | None) -> str:
-    """What CPU outputs of 4 MiB and more get before the kernel's first touch
-    (cpu::advise_new_output, read on every call; bench/CPU_NOTES.md 64), in one line."""
+    """What CPU outputs of 32 MiB and more get before the kernel's first touch
+    (cpu::advise_new_output, read on every call; bench/CPU_NOTES.md 64, 65), in one line."""
     if thp_mode is None:
         return "small pages: no transparent huge pages on this system"
     if env == "0":
@@ -57,7 +57,7 @@ def huge_pages_state(env: str | None, thp_mode: str | None) -> str:
         return "advised, but the THP mode is never: small pages"
     if thp_mode == "always":
         return "huge pages (THP mode always; the advice is redundant)"
-    return f"huge pages: outputs of 4 MiB and more advised (THP mode {thp_mode})"
+    return f"huge pages: outputs of 32 MiB and more advised (THP mode {thp_mode})"
 
 
 def format_info(d: dict) -> str:

@@ -38,8 +38,9 @@ bool advise_new_output(void* data, size_t bytes) {
   // compare both settings.
   const char* env = std::getenv("PORTABLE_GEMM_HUGE_PAGES");
   if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-  // Only the huge pages that lie wholly inside the output: the advice never reaches memory
-  // that is not ours.
+  // Only the huge pages that lie wholly inside the output, of at least kHugeOutputMinBytes (a
+  // mapping of its own under glibc, gone when freed): the advice never reaches memory that
+  // is not ours, nor stays on memory the output gave back.
   const uintptr_t kHuge = huge_page_bytes();
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
