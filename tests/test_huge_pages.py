@@ -5,6 +5,7 @@ not change, and info() says what outputs get. The mapping checks are Linux only:
 is madvise(MADV_HUGEPAGE), seen as the "hg" flag of the mapping in /proc/self/smaps,
 whatever the system's THP mode."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -118,9 +119,13 @@ def test_heap_outputs_not_advised():
         assert int(size) < 32 << 20 and int(pages) >= 6 and int(advised) == 0, \
             f"{advised} of {pages} whole huge pages of a {size}-byte output advised"
     _, on_heap, pages, advised = lines[2]
-    assert on_heap == "1", "the 8 MiB tensor did not reuse the freed output's memory: " + proc.stdout
     assert int(pages) >= 3 and advised == "0", \
         f"{advised} of {pages} whole huge pages of the caller's own tensor advised"
+    # glibc hands the freed output's memory to the next allocation that fits; ASan's
+    # allocator (ci/sanitize.sh preloads it) quarantines freed memory instead, so there the
+    # tensor lands elsewhere and only the check above stands
+    assert on_heap == "1" or "libasan" in os.environ.get("LD_PRELOAD", ""), \
+        "the 8 MiB tensor did not reuse the freed output's memory: " + proc.stdout
     _, size, pages, advised = lines[4]
     assert int(size) == (32 << 20) + 4096 and int(pages) >= 15 and advised == pages, \
         f"{advised} of {pages} whole huge pages of a {size}-byte output advised"
