@@ -351,6 +351,39 @@ def test_mixed_linear_small_m_int8_every_value_exact(device, group):
     assert q[:, torch.arange(16) * 33 % k].unique().numel() == 256
 
 
+@pytest.mark.parametrize("group,k", [(128, 128 * 7), (256, 256 * 5), (384, 384 * 3)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("sdtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_mixed_linear_int4_group_windows_exact(group, k, sdtype):
+    # int4 with groups of whole 128-k blocks at 2..8 rows of x (on AMX CPUs amx_linear, its
+    # blocks of one group each; elsewhere the FMA or nibble blocks). Row m of x is one-hot at
+    # k_m, the k_m in different groups and at different places of their 64-k blocks (int4
+    # packs x in a permuted order there), so y[m, n] is the single product
+    # q[n, k_m] * s[n, k_m // group], exact (scales of 6 significant bits), whichever the
+    # path's rounding of the scaled weight; N = 72 is a channel block of 64 and a part; x
+    # also strided (packed one value at a time). Written for group sums kept apart in the
+    # accumulators' spare columns, a form refuted (bench/CPU_NOTES.md 65); amx_linear reading
+    # each block's scales one group early failed every case here.
+    n = 72
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    s = (torch.randint(1, 64, (n, k // group), generator=gen).float() / 32).to(sdtype)
+    wd = dequant_ref(q, s, 4, group)
+    for m in (2, 3, 4, 5, 8):
+        km = (torch.arange(m) * (k // m + 37) + 5) % k
+        assert km.div(group, rounding_mode="floor").unique().numel() > 1
+        for layout, x in strided_variants(torch.zeros(m, k, dtype=torch.bfloat16)):
+            x[torch.arange(m), km] = 1
+            got = pg.mixed_linear(x, q, s, bits=4, group_size=group)
+            want = wd[:, km].T
+            assert torch.equal(got, want.to(torch.bfloat16)), f"M={m} {layout}"
+    # and a dense x, against the float64 reference
+    x = torch.randn(8, k, generator=gen).to(torch.bfloat16)
+    for m in (2, 4, 5, 8):
+        assert_close(pg.mixed_linear(x[:m], q, s, bits=4, group_size=group),
+                     x[:m].double() @ wd.T, torch.bfloat16, label=f"dense x, M={m}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,group,k", [
     (4, 128, 2048), (4, None, 2048), (4, 32, 2048), (4, None, 8320), (4, 32, 8320),
