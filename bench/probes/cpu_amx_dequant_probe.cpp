@@ -110,14 +110,16 @@ __m512i int4_block(const uint8_t* w, int64_t stride, const float* sc, int64_t k0
   // kSteps / kStepsOnly: the other buffer's four tile steps, one before each 16 rows, as
   // amx_rows issues them (kStepsOnly: and no dequantisation).
   const uint16_t* other = abuf == g_abuf ? g_abuf + 8192 : g_abuf;
+  // x's tiles of this block and of the next (the same 4 KiB unless PGX_XBIG)
+  const auto x_at = [](int64_t k) { return g_x + (g_xk ? (k % g_xk) / 32 * 512 : 0); };
+  const uint16_t* xb = x_at(k0);
+  const uint16_t* xn = x_at(k0 + kKc);
   if (V == kStepsOnly) {
-    for (int c = 0; c < 4; ++c) tile_step(other + c * 2048, g_x + (g_xk ? (k0 % g_xk) / 32 * 512 : 0) + c * 512);
+    for (int c = 0; c < 4; ++c) tile_step(other + c * 2048, xb + c * 512);
     return _mm512_setzero_si512();
   }
   const __m512i sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1);
   const __m512i c0f = _mm512_set1_epi16(0x0F);
-  const uint16_t* xb = g_x + (g_xk ? (k0 % g_xk) / 32 * 512 : 0);
-  const uint16_t* xn = g_x + (g_xk ? ((k0 + 128) % g_xk) / 32 * 512 : 0);
   __m512i sink = _mm512_setzero_si512();
   const bool more_k = k0 + kKc < K;
   for (int r = 0; r < kRows; ++r) {
