@@ -108,8 +108,8 @@ def vs_torch(r: dict) -> float:
     return statistics.median(t / o for t, o in zip(r["torch_weight_only_ms_rounds"], r["ours_ms_rounds"]))
 
 
-# The H200 table (run 81) and the first H100 one (run 87, the same CUDA kernels).
-GPU_RUNS = ["gpu_bench_final", "gpu_bench_h100_run87"]
+# The H200 table (run 81) and the H100 ones (run 87 of a4d1860, run 96 of f50a460: the same CUDA kernels).
+GPU_RUNS = ["gpu_bench_final", "gpu_bench_h100_run87", "gpu_bench_h100_run96"]
 
 
 @pytest.mark.parametrize("run", GPU_RUNS)
