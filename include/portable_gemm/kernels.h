@@ -261,3 +261,14 @@ PG_API Status set_device(int32_t device, int32_t* previous);
 // whose torch has no stable parallel_for to lend (target 2.9): the Python package passes
 // torch.get_num_threads(), so that torch.set_num_threads applies on every target.
 extern "C" PG_API int portable_gemm_set_pool_threads(int n);
+
+// The CPU kernels' scratch: every thread that has run a CPU kernel keeps its packed panels,
+// partial sums and converted inputs in buffers that grow to the largest call it has seen
+// and are kept for the next call (a fresh 32 MiB buffer costs ~5 ms of page faults).
+// portable_gemm_cpu_scratch_bytes: the bytes those buffers hold now, all threads together.
+// portable_gemm_release_cpu_scratch: frees the buffers of every thread that is not inside a
+// CPU kernel call at that moment (it never waits for one; a thread inside keeps its
+// buffers), then, with glibc, returns the heap's free memory to the system (malloc_trim).
+// Returns the bytes freed. The next call on each thread allocates what it needs again.
+extern "C" PG_API size_t portable_gemm_cpu_scratch_bytes(void);
+extern "C" PG_API size_t portable_gemm_release_cpu_scratch(void);

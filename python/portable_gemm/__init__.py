@@ -17,7 +17,8 @@ import sys
 from ._namespace import NAMESPACE
 
 _OPS = ("gemm", "quantize_weight", "mixed_linear", "dequantize_weight")
-__all__ = [*_OPS, "info", "NAMESPACE"]
+_SCRATCH = ("release_cpu_scratch", "cpu_scratch_bytes")
+__all__ = [*_OPS, *_SCRATCH, "info", "NAMESPACE"]
 _state = None
 
 
@@ -49,6 +50,9 @@ def __getattr__(name):
     if name in _OPS:
         _load()
         value = getattr(sys.modules[f"{__name__}.ops"], name)
+    elif name in _SCRATCH:
+        _load()
+        value = getattr(importlib.import_module(f"{__name__}._scratch"), name)
     elif name == "info":
         _load()
         from ._info import info as value

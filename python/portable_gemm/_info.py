@@ -19,6 +19,10 @@ def info() -> dict:
         now = _state.cpu_binding.current_info()
         features.update({k: now[k] for k in ("threading", "threading_why") if k in now})
     features["cpu_huge_pages"] = huge_pages_state(os.environ.get("PORTABLE_GEMM_HUGE_PAGES"), _thp_mode())
+    from ._scratch import cpu_scratch_bytes
+
+    features["cpu_scratch"] = (f"{cpu_scratch_bytes() / 2**20:.1f} MiB held between calls "
+                               "(release_cpu_scratch() frees it)")
     return {
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,

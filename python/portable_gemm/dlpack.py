@@ -22,6 +22,12 @@ Functions (same semantics as the torch ops; a, b, x, weight are 2-D):
     mixed_linear(x, qweight, scales, bits, group_size=None, bias=None, activation="none",
                  bf16_bits=False, stream=0, out=None)
 
+Memory: the CPU kernels keep per-thread scratch buffers (packed panels, partial sums) for
+the next call. ``cpu_scratch_bytes()`` says how many bytes they hold, and
+``release_cpu_scratch()`` frees those of every thread not inside a call at that moment and
+returns the bytes freed (the same buffers as the torch ops' when both doors share the
+package's kernel library; see ``portable_gemm.release_cpu_scratch``).
+
 ``out``: write the (M, N) result into this array and return it, instead of allocating a new
 one. It must be writable, on the operands' device, of the result's dtype, with unit column
 stride (rows may be padded: ``buf[:, :N]`` of a wider buffer) and share no memory with an
@@ -33,6 +39,8 @@ Bad input raises TypeError (dtype, kind of array) or ValueError (shapes, argumen
 different devices).
 """
 
-from ._dlpack import build_info, cpu_isa, gemm, has_cuda, mixed_linear, quantize_weight
+from ._dlpack import (build_info, cpu_isa, cpu_scratch_bytes, gemm, has_cuda, mixed_linear, quantize_weight,
+                      release_cpu_scratch)
 
-__all__ = ["gemm", "quantize_weight", "mixed_linear", "build_info", "cpu_isa", "has_cuda"]
+__all__ = ["gemm", "quantize_weight", "mixed_linear", "build_info", "cpu_isa", "has_cuda", "cpu_scratch_bytes",
+           "release_cpu_scratch"]

@@ -443,4 +443,7 @@ NB_MODULE(_dlpack, m) {
         nb::arg("out").none() = nb::none());
   m.def("build_info", [] { return std::string(pg::build_info()); });
   m.def("cpu_isa", [] { return std::string(pg::cpu::isa()); });
+  m.def("cpu_scratch_bytes", [] { return portable_gemm_cpu_scratch_bytes(); });
+  m.def("release_cpu_scratch", [] { return portable_gemm_release_cpu_scratch(); },
+        nb::call_guard<nb::gil_scoped_release>());
 }

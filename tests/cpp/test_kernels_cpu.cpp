@@ -494,6 +494,106 @@ void test_pool_size() {
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "pool size in a forked child");
 }
 
+// portable_gemm_release_cpu_scratch frees what the threads outside a call hold and never
+// what a thread inside one uses. Inputs are small integers with unit scales, so every
+// result is exact and must come out bit for bit the same however a call is split.
+struct ExactCall {
+  std::vector<float> a, b, c, ref;              // gemm f32 256 x 64 @ 64 x 256
+  std::vector<uint16_t> x, y, yref;             // mixed_linear, bf16 x
+  std::vector<uint8_t> q;
+  std::vector<float> scales;
+  int64_t m = 0, n = 0, k = 0, group = 0;
+  int bits = 8;
+  bool is_gemm = true;
+  ExactCall(bool gemm_call, int64_t m_, int64_t n_, int64_t k_, int bits_, int64_t group_, unsigned seed)
+      : m(m_), n(n_), k(k_), group(group_), bits(bits_), is_gemm(gemm_call) {
+    std::mt19937 r(seed);
+    auto small = [&r] { return float(int(r() % 7) - 3); };
+    if (is_gemm) {
+      a.resize(m * k), b.resize(k * n), c.resize(m * n);
+      for (float& v : a) v = small();
+      for (float& v : b) v = small();
+    } else {
+      x.resize(m * k), y.resize(m * n);
+      for (uint16_t& v : x) v = to_bf16(small());
+      q.resize(n * (bits == 8 ? k : k / 2));
+      for (uint8_t& v : q) v = uint8_t(r());
+      scales.assign(group ? n * (k / group) : n, 1.f);
+    }
+    run();
+    ref = c, yref = y;
+  }
+  Status run() {
+    if (is_gemm) {
+      std::fill(c.begin(), c.end(), std::nanf(""));
+      GemmArgs g;
+      g.a = ConstMatrix{a.data(), m, k, k, 1, DType::f32};
+      g.b = ConstMatrix{b.data(), k, n, n, 1, DType::f32};
+      g.c = Matrix{c.data(), m, n, n, 1, DType::f32};
+      return cpu::gemm(g, builtin_executor());
+    }
+    std::fill(y.begin(), y.end(), uint16_t(0x7fc0));
+    MixedLinearArgs ml;
+    ml.x = ConstMatrix{x.data(), m, k, k, 1, DType::bf16};
+    ml.w.data = q.data();
+    ml.w.n = n, ml.w.k = k, ml.w.row_stride = bits == 8 ? k : k / 2, ml.w.bits = bits;
+    ml.w.group_size = group, ml.w.scales = scales.data();
+    ml.w.scales_row_stride = group ? k / group : 1, ml.w.scales_dtype = DType::f32;
+    ml.y = Matrix{y.data(), m, n, n, 1, DType::bf16};
+    return cpu::mixed_linear(ml, builtin_executor());
+  }
+  bool same() const { return is_gemm ? c == ref : y == yref; }  // NaN sentinels compare unequal
+};
+
+void test_scratch_release() {
+  ExactCall first(true, 256, 256, 64, 8, 0, 1);
+  ExactCall pairs(false, 64, 256, 512, 8, 0, 2);   // bf16 pair packing (M > 32)
+  ExactCall small(false, 1, 512, 512, 4, 128, 3);  // the small-M path
+  const size_t held = portable_gemm_cpu_scratch_bytes();
+  CHECK(held >= 64 * 256 * sizeof(float), "%zu bytes of scratch after three calls", held);
+  const size_t freed = portable_gemm_release_cpu_scratch();
+  CHECK(freed == held, "release freed %zu of %zu bytes", freed, held);
+  CHECK(portable_gemm_cpu_scratch_bytes() == 0, "%zu bytes left after a release",
+        portable_gemm_cpu_scratch_bytes());
+  CHECK(portable_gemm_release_cpu_scratch() == 0, "a second release freed something");
+  for (ExactCall* call : {&first, &pairs, &small})
+    CHECK(call->run().ok() && call->same(), "a call after a release differs from before it");
+
+  // Releases while three threads call: each result as before, and some releases freed memory
+  // in between (else this tested nothing).
+  std::atomic<bool> stop{false};
+  std::atomic<int> bad{0}, calls{0};
+  std::vector<std::thread> th;
+  for (int t = 0; t < 3; ++t)
+    th.emplace_back([&, t] {
+      ExactCall call(t != 1, t == 2 ? 1 : 64, 256, 512, t == 2 ? 4 : 8, t == 2 ? 128 : 0, 10 + t);
+      while (!stop.load()) {
+        if (!call.run().ok() || !call.same()) ++bad;
+        ++calls;
+      }
+    });
+  int released = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(600);
+  while (std::chrono::steady_clock::now() < until) {
+    if (portable_gemm_release_cpu_scratch() > 0) ++released;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  stop = true;
+  for (auto& t : th) t.join();
+  CHECK(bad == 0, "%d of %d calls differed while releases ran", bad.load(), calls.load());
+  CHECK(released > 0 && calls > 0, "%d releases freed memory during %d calls", released, calls.load());
+  portable_gemm_release_cpu_scratch();
+  CHECK(portable_gemm_cpu_scratch_bytes() == 0, "%zu bytes left once every call returned",
+        portable_gemm_cpu_scratch_bytes());
+  // A forked child (the parent's threads gone, their buffers listed) can release too.
+  first.run();
+  const pid_t pid = fork();
+  if (pid == 0) _exit(portable_gemm_release_cpu_scratch() > 0 && portable_gemm_cpu_scratch_bytes() == 0 ? 0 : 1);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "release in a forked child");
+}
+
 }  // namespace
 
 int main() {
@@ -538,6 +638,7 @@ int main() {
   test_cuda_path_rule();
   test_executor();
   test_pool_size();
+  test_scratch_release();
   std::printf(g_failures ? "%d FAILURES\n" : "all passed\n", g_failures);
   return g_failures ? 1 : 0;
 }

@@ -276,10 +276,26 @@ void guarded(std::atomic<bool>& failed, F&& f) noexcept {
   }
 }
 
+// Marks the calling thread as inside a CPU call for its scope, so that
+// portable_gemm_release_cpu_scratch leaves its buffers alone; nested scopes count once.
+// Every entry point holds one, and run_tasks gives one to every task.
+class ScratchUse {
+ public:
+  ScratchUse() noexcept;
+  ~ScratchUse();
+  ScratchUse(const ScratchUse&) = delete;
+  ScratchUse& operator=(const ScratchUse&) = delete;
+};
+
+// exec.parallel_for with each task under a ScratchUse: the one way the kernels run tasks.
+void run_tasks(const Executor& exec, int64_t begin, int64_t end, int64_t grain,
+               Executor::Body body, void* ctx);
+
 // Reusable per-thread scratch (kernels are called often with similar sizes: avoid the
 // page faults of fresh large allocations on every call). Slot selects independent
 // buffers; the pointer is 64-byte aligned and valid until the next call with that slot
-// on this thread.
+// on this thread, or until the thread leaves its outermost ScratchUse (a release may then
+// free it). Met outside any ScratchUse, it marks the thread busy for good.
 float* scratch(int slot, size_t floats);
 
 }  // namespace cpu

@@ -29,11 +29,20 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "cpu/common.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+#if !defined(_WIN32)
+#include <pthread.h>
+#endif
 #if PG_X86
 #include <cpuid.h>
 #include <immintrin.h>
@@ -161,6 +170,14 @@ const char* isa() {
 }
 
 // ---- scratch ------------------------------------------------------------------------
+//
+// Each thread's buffers live in a ThreadScratch, listed in a process-wide registry so that
+// portable_gemm_release_cpu_scratch can free those of threads outside any call. A thread
+// marks itself busy for the scope of a ScratchUse (an entry point on the calling thread, a
+// task on a worker: run_tasks); the releaser takes an idle thread's buffers by moving its
+// state from idle to freeing, so the two never touch the same buffers at once, and it never
+// waits for a busy thread: it skips it. A thread that finds its buffers being freed as it
+// enters a call waits the few frees that takes.
 
 namespace {
 struct AlignedFree {
@@ -168,23 +185,174 @@ struct AlignedFree {
 };
 struct ScratchSlot {
   std::unique_ptr<float[], AlignedFree> ptr;
-  size_t size = 0;
+  size_t size = 0;  // floats usable (the allocation has 16 more)
 };
 constexpr int kScratchSlots = 8;  // 6, 7: mixed_linear (AMX buffers, bf16 weight rows)
-thread_local ScratchSlot t_scratch[kScratchSlots];
+enum : int { kIdle = 0, kBusy = 1, kFreeing = 2 };
+
+struct ThreadScratch;
+struct ScratchRegistry {
+  std::mutex mu;
+  std::vector<ThreadScratch*> threads;
+};
+
+#if !defined(_WIN32)
+ScratchRegistry* g_registry = nullptr;
+// A fork() from another thread while the registry is locked would leave it locked in the
+// child for good.
+void registry_prepare() { g_registry->mu.lock(); }
+void registry_unlock() { g_registry->mu.unlock(); }
+#endif
+
+// Leaked: threads may exit (and unregister) after static destructors have run.
+ScratchRegistry& registry() {
+  static ScratchRegistry* r = [] {
+    auto* reg = new ScratchRegistry;
+#if !defined(_WIN32)
+    g_registry = reg;
+    pthread_atfork(registry_prepare, registry_unlock, registry_unlock);
+#endif
+    return reg;
+  }();
+  return *r;
+}
+
+struct ThreadScratch {
+  ScratchSlot slot[kScratchSlots];
+  std::atomic<int> state{kIdle};
+  std::atomic<size_t> bytes{0};  // the slots' allocations together
+  int depth = 0;                 // nested ScratchUse scopes (owner only)
+  // Not in the registry (it could not grow), or scratch() met outside a ScratchUse (a
+  // bug the tests would see as bytes left after a release): busy for good, never freed.
+  bool pinned = false;
+  bool listed = false;
+  ThreadScratch() noexcept {
+    try {
+      ScratchRegistry& r = registry();
+      std::lock_guard<std::mutex> lk(r.mu);
+      r.threads.push_back(this);
+      listed = true;
+    } catch (...) {
+      pinned = true;
+    }
+  }
+  ~ThreadScratch() {
+    if (!listed) return;
+    ScratchRegistry& r = registry();
+    std::lock_guard<std::mutex> lk(r.mu);
+    r.threads.erase(std::remove(r.threads.begin(), r.threads.end(), this), r.threads.end());
+  }
+  void enter() noexcept {  // idle -> busy, waiting out a release that is freeing
+    int expected = kIdle;
+    while (!state.compare_exchange_weak(expected, kBusy, std::memory_order_acquire,
+                                        std::memory_order_relaxed)) {
+      expected = kIdle;
+      std::this_thread::yield();
+    }
+  }
+};
+
+thread_local ThreadScratch t_scratch;
+
+void run_task(void* ctx, int64_t begin, int64_t end) {
+  const auto& call = *static_cast<const std::pair<Executor::Body, void*>*>(ctx);
+  const ScratchUse use;
+  call.first(call.second, begin, end);
+}
 }  // namespace
 
+ScratchUse::ScratchUse() noexcept {
+  ThreadScratch& t = t_scratch;
+  if (t.depth++ == 0 && !t.pinned) t.enter();
+}
+
+ScratchUse::~ScratchUse() {
+  ThreadScratch& t = t_scratch;
+  if (--t.depth == 0 && !t.pinned) t.state.store(kIdle, std::memory_order_release);
+}
+
+void run_tasks(const Executor& exec, int64_t begin, int64_t end, int64_t grain,
+               Executor::Body body, void* ctx) {
+  std::pair<Executor::Body, void*> call{body, ctx};
+  exec.parallel_for(exec.self, begin, end, grain, run_task, &call);
+}
+
 float* scratch(int slot, size_t floats) {
-  ScratchSlot& s = t_scratch[slot];
+  ThreadScratch& t = t_scratch;
+  if (t.depth == 0 && !t.pinned) {
+    t.enter();
+    t.pinned = true;
+  }
+  ScratchSlot& s = t.slot[slot];
   if (s.size < floats) {
     // Grow geometrically so that a sweep of slowly growing shapes does not reallocate on
-    // every call; the extra 16 floats let vector code over-read a row end safely.
-    size_t want = std::max(floats, s.size + s.size / 2) + 16;
+    // every call; the extra 16 floats let vector code over-read a row end safely. The old
+    // buffer goes first, so the two are never held together.
+    const size_t want = std::max(floats, s.size + s.size / 2) + 16;
+    const size_t old = s.ptr ? (s.size + 16) * sizeof(float) : 0;
+    s.ptr.reset();
+    s.size = 0;
+    t.bytes.store(t.bytes.load(std::memory_order_relaxed) - old, std::memory_order_relaxed);
     s.ptr.reset(static_cast<float*>(::operator new[](want * sizeof(float), std::align_val_t(64))));
     s.size = want - 16;
+    t.bytes.store(t.bytes.load(std::memory_order_relaxed) + want * sizeof(float),
+                  std::memory_order_relaxed);
   }
   return s.ptr.get();
 }
+
+namespace {
+// The sum of f(thread) over the listed threads, under the registry's lock.
+template <class F>
+size_t sum_over_threads(F&& f) noexcept {
+  size_t total = 0;
+  try {
+    ScratchRegistry& r = registry();
+    std::lock_guard<std::mutex> lk(r.mu);
+    for (ThreadScratch* t : r.threads) total += f(*t);
+  } catch (...) {  // the lock could not be taken
+  }
+  return total;
+}
+}  // namespace
+
+}  // namespace cpu
+}  // namespace portable_gemm
+
+using portable_gemm::cpu::kFreeing;
+using portable_gemm::cpu::kIdle;
+using portable_gemm::cpu::ScratchSlot;
+using portable_gemm::cpu::ThreadScratch;
+using portable_gemm::cpu::sum_over_threads;
+
+extern "C" PG_API size_t portable_gemm_cpu_scratch_bytes(void) {
+  return sum_over_threads([](const ThreadScratch& t) { return t.bytes.load(std::memory_order_relaxed); });
+}
+
+extern "C" PG_API size_t portable_gemm_release_cpu_scratch(void) {
+  const size_t freed = sum_over_threads([](ThreadScratch& t) -> size_t {
+    int expected = kIdle;
+    if (!t.state.compare_exchange_strong(expected, kFreeing, std::memory_order_acquire,
+                                         std::memory_order_relaxed))
+      return 0;  // inside a call (or pinned): keeps its buffers
+    for (ScratchSlot& s : t.slot) {
+      s.ptr.reset();
+      s.size = 0;
+    }
+    const size_t bytes = t.bytes.exchange(0, std::memory_order_relaxed);
+    t.state.store(kIdle, std::memory_order_release);
+    return bytes;
+  });
+#if defined(__GLIBC__)
+  // Freed blocks below glibc's mmap threshold (which rises to 32 MiB as large blocks are
+  // freed) stay in the heap: hand its free pages back, as a caller of a release expects.
+  if (freed > 0) malloc_trim(0);
+#endif
+  return freed;
+}
+
+namespace portable_gemm {
+namespace cpu {
 
 // ---- conversion ------------------------------------------------------------------------
 
@@ -1651,7 +1819,7 @@ bool stream_gemm(const DenseProblem& p, const Epilogue& ep, const Executor& exec
   job.tasks = std::max<int64_t>(1, std::min(threads, (p.n + 255) / 256));
   if (p.n * p.k < (1 << 18)) job.tasks = 1;  // under ~50 us: not worth a pool wake-up
   if (job.tasks > 1 && exec.parallel_for != nullptr)
-    exec.parallel_for(exec.self, 0, job.tasks, 1, stream_task, &job);
+    run_tasks(exec, 0, job.tasks, 1, stream_task, &job);
   else
     stream_task(&job, 0, job.tasks);
   return !job.failed.load();
@@ -1710,7 +1878,7 @@ const float* pack_a_shared(const DenseProblem& p, const DenseJob& job, const Exe
   if (!ks.amx || !packs_again || p.m * p.k * 2 > kSharedAMax) return nullptr;
   APackJob pj{&p.a, p.m, p.k, scratch(4, size_t(job.m_units * 16 * p.k))};
   if (threads > 1 && exec.parallel_for != nullptr)
-    exec.parallel_for(exec.self, 0, job.m_units, 1, a_pack_task, &pj);
+    run_tasks(exec, 0, job.m_units, 1, a_pack_task, &pj);
   else
     a_pack_task(&pj, 0, job.m_units);
   return pj.failed.load() ? nullptr : pj.dst;
@@ -1758,7 +1926,7 @@ bool dense_gemm(const DenseProblem& p, const Executor& exec) {
     job.tn = std::min(threads, job.n_units);
     job.tm = std::min(std::max<int64_t>(1, threads / job.tn), job.m_units);
     job.a_tiles = pack_a_shared(p, job, exec, threads);
-    exec.parallel_for(exec.self, 0, job.tm * job.tn, 1, dense_task, &job);
+    run_tasks(exec, 0, job.tm * job.tn, 1, dense_task, &job);
   } else {
     job.a_tiles = pack_a_shared(p, job, exec, 1);
     dense_task(&job, 0, 1);
@@ -1767,6 +1935,7 @@ bool dense_gemm(const DenseProblem& p, const Executor& exec) {
 }
 
 Status gemm(const GemmArgs& args, const Executor& exec) {
+  const ScratchUse use;
   Status st = validate_gemm(args);
   if (!st.ok()) return st;
   DenseProblem p;

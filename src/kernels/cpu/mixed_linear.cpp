@@ -1680,8 +1680,7 @@ bool small_m(const MixedLinearArgs& args, const Executor& exec) {
   // Threads get contiguous blocks of whole weight rows, at least 16 each, and only
   // when the weight is big enough to amortise waking them.
   if (threads > 1 && exec.parallel_for != nullptr && N * K * (M + 1) >= (1 << 20))
-    exec.parallel_for(exec.self, 0, N, std::max<int64_t>(16, (N + threads - 1) / threads),
-                      small_task, &job);
+    run_tasks(exec, 0, N, std::max<int64_t>(16, (N + threads - 1) / threads), small_task, &job);
   else
     small_task(&job, 0, N);
   return !job.failed.load();
@@ -2198,7 +2197,7 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
   const int64_t units = pj.vec ? (K + 63) / 64 : K / 2;
   const int64_t threads = executor_threads(exec);
   if (threads > 1 && M * K >= (1 << 18))
-    exec.parallel_for(exec.self, 0, units, (units + threads - 1) / threads, xpack_task, &pj);
+    run_tasks(exec, 0, units, (units + threads - 1) / threads, xpack_task, &pj);
   else
     xpack_task(&pj, 0, units);
   job.xp = xp;
@@ -2206,7 +2205,7 @@ bool amx_linear(const MixedLinearArgs& args, const Executor& exec) {
   // partly zero-filled on both sides.
   const int64_t blocks = (N + job.nbk - 1) / job.nbk;
   if (threads > 1 && N * K * (M + 1) >= (1 << 20))
-    exec.parallel_for(exec.self, 0, blocks, (blocks + threads - 1) / threads, amx_task, &job);
+    run_tasks(exec, 0, blocks, (blocks + threads - 1) / threads, amx_task, &job);
   else
     amx_task(&job, 0, blocks);
   return !job.failed.load();
@@ -2257,6 +2256,7 @@ int64_t small_m_max_rows(const MixedLinearArgs& a) {
 }  // namespace
 
 Status mixed_linear(const MixedLinearArgs& args, const Executor& exec) {
+  const ScratchUse use;
   Status st = validate_mixed_linear(args);
   if (!st.ok()) return st;
   const int64_t M = args.x.rows, N = args.w.n, K = args.w.k;

@@ -80,6 +80,7 @@ void quantize_rows_impl(const QuantJob& job, int64_t begin, int64_t end) {
 }  // namespace
 
 Status quantize(const QuantizeArgs& args, const Executor& exec) {
+  const ScratchUse use;
   Status st = validate_quantize(args);
   if (!st.ok()) return st;
   const int64_t n = args.w.rows, k = args.w.cols;
@@ -93,7 +94,7 @@ Status quantize(const QuantizeArgs& args, const Executor& exec) {
   job.qmin = -job.qmax - 1.f;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
   if (exec.parallel_for != nullptr && n > grain)
-    exec.parallel_for(exec.self, 0, n, grain, quantize_rows, &job);
+    run_tasks(exec, 0, n, grain, quantize_rows, &job);
   else
     quantize_rows(&job, 0, n);
   return job.failed.load() ? Status{2, "quantize: out of memory (scratch buffer)"} : st;
