@@ -191,6 +191,7 @@ constexpr int kScratchSlots = 8;  // 6, 7: mixed_linear (AMX buffers, bf16 weigh
 enum : int { kIdle = 0, kBusy = 1, kFreeing = 2 };
 
 struct ThreadScratch;
+thread_local ThreadScratch* t_listed = nullptr;  // &t_scratch once it is listed
 struct ScratchRegistry {
   std::mutex mu;
   std::vector<ThreadScratch*> threads;
@@ -198,6 +199,7 @@ struct ScratchRegistry {
 
 #if !defined(_WIN32)
 ScratchRegistry* g_registry = nullptr;
+void registry_child();
 // A fork() from another thread while the registry is locked would leave it locked in the
 // child for good.
 void registry_prepare() { g_registry->mu.lock(); }
@@ -210,7 +212,7 @@ ScratchRegistry& registry() {
     auto* reg = new ScratchRegistry;
 #if !defined(_WIN32)
     g_registry = reg;
-    pthread_atfork(registry_prepare, registry_unlock, registry_unlock);
+    pthread_atfork(registry_prepare, registry_unlock, registry_child);
 #endif
     return reg;
   }();
@@ -232,6 +234,7 @@ struct ThreadScratch {
       std::lock_guard<std::mutex> lk(r.mu);
       r.threads.push_back(this);
       listed = true;
+      t_listed = this;
     } catch (...) {
       pinned = true;
     }
@@ -253,6 +256,23 @@ struct ThreadScratch {
 };
 
 thread_local ThreadScratch t_scratch;
+
+#if !defined(_WIN32)
+// In a forked child only the forking thread lives on. The others' ThreadScratch objects
+// never run their destructors, and glibc frees their thread-local blocks when it reuses
+// their stacks for new threads (ASan caught the registry reading one). So the child frees
+// their buffers (nothing can use them any more) and lists only its own thread.
+void registry_child() {
+  std::vector<ThreadScratch*>& threads = g_registry->threads;
+  for (ThreadScratch* t : threads) {
+    if (t == t_listed) continue;
+    for (ScratchSlot& s : t->slot) s.ptr.reset();
+  }
+  threads.clear();
+  if (t_listed != nullptr) threads.push_back(t_listed);  // the capacity is there: no throw
+  g_registry->mu.unlock();
+}
+#endif
 
 void run_task(void* ctx, int64_t begin, int64_t end) {
   const auto& call = *static_cast<const std::pair<Executor::Body, void*>*>(ctx);
