@@ -230,6 +230,16 @@ def check_bad_input(pg, torch):
     raise AssertionError("gemm with mismatched K did not raise")
 
 
+def check_scratch_release(pg, torch):
+    # The CPU calls above left scratch; a release frees all of it (no call is running), and
+    # the next call is right again.
+    held = pg.cpu_scratch_bytes()
+    assert held > 0, "no CPU scratch held after the CPU checks"
+    freed = pg.release_cpu_scratch()
+    assert freed == held and pg.cpu_scratch_bytes() == 0, f"held {held}, freed {freed}, left {pg.cpu_scratch_bytes()}"
+    check_gemm(pg, torch, torch.float32, "none", False, "contiguous")
+
+
 def check_opcheck(pg, torch):
     op = getattr(torch.ops, getattr(pg, "NAMESPACE", "portable_gemm")).gemm
     g = torch.Generator().manual_seed(0)
@@ -341,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                       pg, torch, dtype, bits, gs, gs == 64, "gelu" if gs == 32 else "none")
     print(f"  mixed_linear: {c.passed + len(c.failed) - n0} checks", flush=True)
 
+    c.run("release_cpu_scratch", check_scratch_release, pg, torch)
     c.run("bad input raises", check_bad_input, pg, torch)
     t = time.perf_counter()
     c.run("opcheck gemm", check_opcheck, pg, torch)
