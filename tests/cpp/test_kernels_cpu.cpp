@@ -545,6 +545,15 @@ struct ExactCall {
   bool same() const { return is_gemm ? c == ref : y == yref; }  // NaN sentinels compare unequal
 };
 
+// An executor that runs the whole range on the calling thread, then holds it inside the
+// call until g_hold is 2 (g_hold 1: inside).
+std::atomic<int> g_hold{0};
+void hold_parallel_for(void*, int64_t begin, int64_t end, int64_t, Executor::Body body, void* ctx) {
+  body(ctx, begin, end);
+  g_hold = 1;
+  while (g_hold.load() != 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
 void test_scratch_release() {
   ExactCall first(true, 256, 256, 64, 8, 0, 1);
   ExactCall pairs(false, 64, 256, 512, 8, 0, 2);   // bf16 pair packing (M > 32)
@@ -587,11 +596,31 @@ void test_scratch_release() {
         portable_gemm_cpu_scratch_bytes());
   // A forked child lists only its own thread: the parent's workers are gone there, and the
   // child's new workers reuse their stacks, whose thread-local blocks glibc then frees (the
-  // registry once read them: ASan, test_concurrency.py's fork tests). It calls, releases and
+  // registry once read them: ASan, test_concurrency.py's fork tests). The fork happens while
+  // another thread is inside a call (held in its executor), so a child that still listed
+  // that thread would keep its buffers as busy for good. The child calls, releases and
   // calls again.
   first.run();
+  g_hold = 0;
+  std::thread holder([] {
+    ExactCall call(true, 256, 256, 64, 8, 0, 20);  // its reference run is on the pool
+    Executor hold;
+    hold.parallel_for = hold_parallel_for;
+    hold.num_threads = [](void*) { return 2; };
+    GemmArgs g;
+    g.a = ConstMatrix{call.a.data(), call.m, call.k, call.k, 1, DType::f32};
+    g.b = ConstMatrix{call.b.data(), call.k, call.n, call.n, 1, DType::f32};
+    g.c = Matrix{call.c.data(), call.m, call.n, call.n, 1, DType::f32};
+    cpu::gemm(g, hold);
+  });
+  while (g_hold.load() != 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  portable_gemm_release_cpu_scratch();
+  CHECK(portable_gemm_cpu_scratch_bytes() > 0, "a release took the buffers of a thread inside a call");
   const pid_t pid = fork();
-  if (pid == 0) {
+  if (pid != 0) {
+    g_hold = 2;
+    holder.join();
+  } else {
     portable_gemm_release_cpu_scratch();
     bool ok = portable_gemm_cpu_scratch_bytes() == 0;
     for (int rep = 0; rep < 2 && ok; ++rep) {

@@ -240,10 +240,20 @@ struct ThreadScratch {
     }
   }
   ~ThreadScratch() {
-    if (!listed) return;
-    ScratchRegistry& r = registry();
-    std::lock_guard<std::mutex> lk(r.mu);
-    r.threads.erase(std::remove(r.threads.begin(), r.threads.end(), this), r.threads.end());
+    t_listed = nullptr;
+    if (listed) {  // off the list first: a release may be freeing the slots right now
+      ScratchRegistry& r = registry();
+      std::lock_guard<std::mutex> lk(r.mu);
+      r.threads.erase(std::remove(r.threads.begin(), r.threads.end(), this), r.threads.end());
+    }
+    // A kernel call from a thread-local destructor that runs after this one finds the slots
+    // empty and the thread pinned, rather than sizes without buffers.
+    pinned = true;
+    for (ScratchSlot& s : slot) {
+      s.ptr.reset();
+      s.size = 0;
+    }
+    bytes.store(0, std::memory_order_relaxed);
   }
   void enter() noexcept {  // idle -> busy, waiting out a release that is freeing
     int expected = kIdle;
@@ -256,6 +266,12 @@ struct ThreadScratch {
 };
 
 thread_local ThreadScratch t_scratch;
+
+// The registry, and with it the fork handlers, from the library's load on: glibc reads its
+// list of handlers when a fork() starts, so handlers registered by a first call that races
+// with a fork in another thread would miss that fork, and its child would list the
+// parent's dead threads.
+[[maybe_unused]] const bool kRegistryAtLoad = (registry(), true);
 
 #if !defined(_WIN32)
 // In a forked child only the forking thread lives on. The others' ThreadScratch objects

@@ -269,6 +269,11 @@ void install_fork_handlers() {
 #endif
 }
 
+// Installed at the library's load as well: glibc reads its list of handlers when a fork()
+// starts, so a first pool use racing with a fork in another thread would install them too
+// late for that fork, and its child would keep the parent's pool (whose workers it lacks).
+[[maybe_unused]] const bool kForkHandlersAtLoad = (install_fork_handlers(), true);
+
 Pool& pool() {
   Pool* p = g_pool.load(std::memory_order_acquire);
   if (p) return *p;
