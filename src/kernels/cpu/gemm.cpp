@@ -249,11 +249,15 @@ struct ThreadScratch {
     // A kernel call from a thread-local destructor that runs after this one finds the slots
     // empty and the thread pinned, rather than sizes without buffers.
     pinned = true;
+    free_slots();
+  }
+  // Frees every slot; returns the bytes they held.
+  size_t free_slots() noexcept {
     for (ScratchSlot& s : slot) {
       s.ptr.reset();
       s.size = 0;
     }
-    bytes.store(0, std::memory_order_relaxed);
+    return bytes.exchange(0, std::memory_order_relaxed);
   }
   void enter() noexcept {  // idle -> busy, waiting out a release that is freeing
     int expected = kIdle;
@@ -280,10 +284,8 @@ thread_local ThreadScratch t_scratch;
 // their buffers (nothing can use them any more) and lists only its own thread.
 void registry_child() {
   std::vector<ThreadScratch*>& threads = g_registry->threads;
-  for (ThreadScratch* t : threads) {
-    if (t == t_listed) continue;
-    for (ScratchSlot& s : t->slot) s.ptr.reset();
-  }
+  for (ThreadScratch* t : threads)
+    if (t != t_listed) t->free_slots();
   threads.clear();
   if (t_listed != nullptr) threads.push_back(t_listed);  // the capacity is there: no throw
   g_registry->mu.unlock();
@@ -357,7 +359,6 @@ size_t sum_over_threads(F&& f) noexcept {
 
 using portable_gemm::cpu::kFreeing;
 using portable_gemm::cpu::kIdle;
-using portable_gemm::cpu::ScratchSlot;
 using portable_gemm::cpu::ThreadScratch;
 using portable_gemm::cpu::sum_over_threads;
 
@@ -371,11 +372,7 @@ extern "C" PG_API size_t portable_gemm_release_cpu_scratch(void) {
     if (!t.state.compare_exchange_strong(expected, kFreeing, std::memory_order_acquire,
                                          std::memory_order_relaxed))
       return 0;  // inside a call (or pinned): keeps its buffers
-    for (ScratchSlot& s : t.slot) {
-      s.ptr.reset();
-      s.size = 0;
-    }
-    const size_t bytes = t.bytes.exchange(0, std::memory_order_relaxed);
+    const size_t bytes = t.free_slots();
     t.state.store(kIdle, std::memory_order_release);
     return bytes;
   });
