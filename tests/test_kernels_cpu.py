@@ -122,6 +122,41 @@ def test_kernel_library_without_x86_kernels(tmp_path):
     assert "all passed" in proc.stdout, proc.stdout[-500:]
 
 
+def kernel_cxx_flags() -> list[str]:
+    """The C++ flags src/kernels/CMakeLists.txt gives the kernel library (its
+    `$<$<COMPILE_LANGUAGE:CXX>:...>` options)."""
+    cmake = (REPO / "src/kernels/CMakeLists.txt").read_text()
+    flags = re.search(r"target_compile_options\(portable_gemm_kernels PRIVATE\s+"
+                      r"\$<\$<COMPILE_LANGUAGE:CXX>:([^>]*)>\)", cmake)
+    assert flags, "src/kernels/CMakeLists.txt: the kernel library's CXX options not found"
+    return flags.group(1).split()
+
+
+def test_kernel_library_builds_without_warnings(tmp_path):
+    # The x86 library as the wheel builds it (its own flags, every kernel), warnings as
+    # errors: the wheel's build log is read for real problems, so it must stay free of
+    # noise. Some warnings (-Warray-bounds) come only from the optimiser's inlining, hence
+    # the real -O3 and whole objects rather than a syntax check.
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ to build the kernel library")
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        pytest.skip("the x86 kernels build only on x86; test_kernel_library_without_x86_kernels covers this CPU")
+    flags = kernel_cxx_flags()
+    assert "-Wall" in flags and "-Wextra" in flags, flags
+    procs = []
+    for i, src in enumerate(kernel_sources_without_cuda()):
+        cmd = ["g++", "-std=c++17", "-fPIC", *flags, "-Werror", f"-I{REPO / 'include'}",
+               f"-I{REPO / 'src/kernels'}", '-DPG_VERSION="test"', '-DPG_CXX_COMPILER="g++"',
+               "-c", str(src), "-o", str(tmp_path / f"{i}.o")]
+        procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    failed = []
+    for src, proc in procs:
+        _, err = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            failed.append(f"{src.relative_to(REPO)}:\n{err[-3000:]}")
+    assert not failed, "\n".join(failed)
+
+
 def test_cpu_isa_names_the_units_in_use():
     # info()'s cpu_isa says which units the CPU kernels dispatch to; it must agree with the
     # CPU's flags (read independently here), so that a user can tell whether the bf16 pair

@@ -1000,10 +1000,13 @@ bool avx2_i4_block(const SmallJob& job, const int64_t* rows, float* out) {
 struct RowQuads {
   int64_t n0, n1, q;
   RowQuads(int64_t a, int64_t b) : n0(a), n1(b), q((b - a + 3) / 4) {}
-  // quad i's rows into rows[4]; returns how many there are (the rest repeat the last)
+  // quad i's rows into rows[4]; returns how many there are (the rest repeat the last).
+  // i < q, so row n0 + i < n1 is always there: starting from it keeps the index of the
+  // repeated row at 0 or more where the compiler can see it (-Warray-bounds).
   int at(int64_t i, int64_t* rows) const {
-    int nb = 0;
-    for (int r = 0; r < 4; ++r) {
+    int nb = 1;
+    rows[0] = n0 + i;
+    for (int r = 1; r < 4; ++r) {
       const int64_t n = n0 + r * q + i;
       if (n < n1) nb = r + 1;
       rows[r] = n < n1 ? n : rows[nb - 1];
