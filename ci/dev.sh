@@ -58,6 +58,16 @@ wheel() {
   if [ "$rc" != 0 ]; then tail -40 build/wheel.log; echo "wheel build failed (full log: build/wheel.log)"; exit 1; fi
   ls dist/portable_gemm-*.whl >/dev/null
   log "built $(ls dist/*.whl) in $((SECONDS - t0)) s"
+  # Compiler and CMake warnings of this build (objects ninja kept from an earlier one are not
+  # recompiled, so a local rebuild reports only what it compiled). CI builds from a fresh
+  # clone, and there a warning fails the run: the log stays readable for real problems.
+  local warn
+  warn=$(grep -E ": warning[: ]|\): warning #|CMake Warning" build/wheel.log || true)
+  if [ -n "$warn" ]; then
+    echo "$warn" | sed 's/^ *//' | sort | uniq -c | sort -rn | head -20
+    log "$(echo "$warn" | wc -l) compiler warning lines in the build (full log: build/wheel.log)"
+    if [ "${CI:-}" = true ]; then echo "CI: the wheel must build without warnings"; exit 1; fi
+  fi
   # The same auditwheel repair the published wheels get (command read from pyproject.toml):
   # tags the wheel with the manylinux policy this machine's toolchain allows, torch's and
   # CUDA's libraries excluded.

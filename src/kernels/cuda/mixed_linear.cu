@@ -713,7 +713,7 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
   // running pointers' step); SCL: whether this load reads the scales (in pairs only the
   // second of a pair does: both halves share them).
   auto load = [&](int64_t c, Stage& st, auto adv, auto scl) {
-    constexpr int ADV = decltype(adv)::value;
+    [[maybe_unused]] constexpr int ADV = decltype(adv)::value;  // used where RUNP
     constexpr bool SCL = decltype(scl)::value;
     const uint8_t* pc = RUNP ? pw : wbase + c * (CHUNK * BITS / 8);
     if constexpr (RUNP) pw += ADV * (CHUNK * BITS / 8);
@@ -880,21 +880,24 @@ __global__ void __launch_bounds__(tcv::THREADS, 2) gemv_tc_kernel(TcvParams p) {
         }
       }
     }
-    if constexpr (!LAST) return;
+    // The tail inside the if (not after a return in the other branch): nvcc warned "loop is
+    // not reachable" for every instantiation without LAST.
+    if constexpr (LAST) {
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt) {
-      if constexpr (OFFSET)
+      for (int rt = 0; rt < RT; ++rt) {
+        if constexpr (OFFSET)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) part[rt][mt][r] -= corr[mt][r];
-      const float f0 = p.mode == 1 ? sf[rt][0] : 1.f, f1 = p.mode == 1 ? sf[rt][1] : 1.f;
+            for (int r = 0; r < 4; ++r) part[rt][mt][r] -= corr[mt][r];
+        const float f0 = p.mode == 1 ? sf[rt][0] : 1.f, f1 = p.mode == 1 ? sf[rt][1] : 1.f;
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        acc[rt][mt][0] = fmaf(f0, part[rt][mt][0], acc[rt][mt][0]);
-        acc[rt][mt][1] = fmaf(f0, part[rt][mt][1], acc[rt][mt][1]);
-        acc[rt][mt][2] = fmaf(f1, part[rt][mt][2], acc[rt][mt][2]);
-        acc[rt][mt][3] = fmaf(f1, part[rt][mt][3], acc[rt][mt][3]);
+        for (int mt = 0; mt < MT; ++mt) {
+          acc[rt][mt][0] = fmaf(f0, part[rt][mt][0], acc[rt][mt][0]);
+          acc[rt][mt][1] = fmaf(f0, part[rt][mt][1], acc[rt][mt][1]);
+          acc[rt][mt][2] = fmaf(f1, part[rt][mt][2], acc[rt][mt][2]);
+          acc[rt][mt][3] = fmaf(f1, part[rt][mt][3], acc[rt][mt][3]);
+        }
       }
     }
   };
