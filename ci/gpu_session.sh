@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU session in one device call (see README "GPU verification"): install the
+# The whole GPU session in one device call (README, "Developer commands"): install the
 # carried wheel with --no-deps into the machine's python (torch 2.11 cu130 there), then the
 # GPU test suite under the default target (2.11) and forced 2.10 and 2.9, compute-sanitizer
 # (memcheck, racecheck, initcheck) over tests/gpu/sanitize_ops.py, and optionally the GPU

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Target 2.13 (Stream::nativeHandle) on the GPU machine, whose own torch is 2.11: the last of
-# DESIGN.md's "Running the 2.13 target" calls. Earlier calls appended the chunks of
-# both.bin (the torch 2.13.0 cp312 wheel, then a tar.gz of NCCL's nvidia/nccl folder and
-# dist-info) to $CHUNKS/both.bin. This reassembles and checks them, installs torch, NCCL and
+# Target 2.13 (Stream::nativeHandle) on the GPU machine, whose own torch is 2.11: the last
+# call of the chunked procedure (bench/GPU_NOTES.md, run 50c; last used in run 97). Earlier
+# calls appended the chunks of both.bin (the torch 2.13.0 cp312 wheel, then a tar.gz of
+# NCCL's nvidia/nccl folder and dist-info) to $CHUNKS/both.bin. This reassembles and checks them, installs torch, NCCL and
 # the project's wheel into /tmp/t213 (the image's torch stays), runs the GPU-relevant tests
 # under target 2.13, and times target 2.11 (the aoti_torch_get_current_cuda_stream shim)
 # against 2.13 under that torch (bench/gpu_bench.py --targets-only). Logs go to $OUT.
