@@ -105,25 +105,34 @@ BF16 NOINLINE void pack16_gather(const int8_t* q, int64_t rs, uint32_t* dst) {
   }
 }
 
+// One pair step of the 12 x 32 block: c0 / c1 += a's 12 pair units x the step's two unit
+// vectors; and the block's store (ld NC).
+#define INL __attribute__((always_inline)) inline
+BF16 INL void step12(__m512* c0, __m512* c1, const int32_t* a, __m512bh b0, __m512bh b1) {
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) {
+    const __m512bh ai = (__m512bh)_mm512_set1_epi32(a[i]);
+    c0[i] = _mm512_dpbf16_ps(c0[i], ai, b0);
+    c1[i] = _mm512_dpbf16_ps(c1[i], ai, b1);
+  }
+}
+
+BF16 INL void store12(const __m512* c0, const __m512* c1, float* out) {
+  for (int i = 0; i < MR; ++i) {
+    _mm512_storeu_ps(out + i * NC, c0[i]);
+    _mm512_storeu_ps(out + i * NC + 16, c1[i]);
+  }
+}
+
 // The 12 x 32 kernel (gemm.cpp kern_avx512_bf16<12>), C stored to out (ld NC).
 BF16 NOINLINE void kern12(const int32_t* a, const uint32_t* b, float* out) {
   __m512 c0[MR], c1[MR];
   for (int i = 0; i < MR; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
   for (int p = 0; p < KP; ++p) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 16);
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh ai = (__m512bh)_mm512_set1_epi32(a[p * MR + i]);
-      c0[i] = _mm512_dpbf16_ps(c0[i], ai, b0);
-      c1[i] = _mm512_dpbf16_ps(c1[i], ai, b1);
-    }
+    step12(c0, c1, a + p * MR, (__m512bh)_mm512_loadu_si512(b), (__m512bh)_mm512_loadu_si512(b + 16));
     b += NR;
   }
-  for (int i = 0; i < MR; ++i) {
-    _mm512_storeu_ps(out + i * NC, c0[i]);
-    _mm512_storeu_ps(out + i * NC + 16, c1[i]);
-  }
+  store12(c0, c1, out);
 }
 
 // The first row block's call: per word (two pairs) gather the 32 rows' words (two
@@ -144,20 +153,11 @@ BF16 NOINLINE void kern12_fused(const int32_t* a, const int8_t* q, int64_t rs, u
       const __m512i u0 = units_i8(g0, j, t0, t1, t2), u1 = units_i8(g1, j, t0, t1, t2);
       _mm512_storeu_si512(b, u0);
       _mm512_storeu_si512(b + 16, u1);
-      const int p = 2 * w + j;
-#pragma GCC unroll 12
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh ai = (__m512bh)_mm512_set1_epi32(a[p * MR + i]);
-        c0[i] = _mm512_dpbf16_ps(c0[i], ai, (__m512bh)u0);
-        c1[i] = _mm512_dpbf16_ps(c1[i], ai, (__m512bh)u1);
-      }
+      step12(c0, c1, a + (2 * w + j) * MR, (__m512bh)u0, (__m512bh)u1);
       b += NR;
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    _mm512_storeu_ps(out + i * NC, c0[i]);
-    _mm512_storeu_ps(out + i * NC + 16, c1[i]);
-  }
+  store12(c0, c1, out);
 }
 
 // One 64-k step of pack16_transposed (16 rows, 32 pairs), inlined into kern12_fused2.
@@ -188,21 +188,11 @@ BF16 NOINLINE void kern12_fused2(const int32_t* a, const int8_t* q, int64_t rs, 
     pack16_step(q + 16 * rs, rs, kk, b + 16, t0, t1, t2);
     const uint32_t* bs = b + kk / 2 * NR;
     for (int p = kk / 2; p < kk / 2 + 32; ++p) {
-      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bs);
-      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bs + 16);
-#pragma GCC unroll 12
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh ai = (__m512bh)_mm512_set1_epi32(a[p * MR + i]);
-        c0[i] = _mm512_dpbf16_ps(c0[i], ai, b0);
-        c1[i] = _mm512_dpbf16_ps(c1[i], ai, b1);
-      }
+      step12(c0, c1, a + p * MR, (__m512bh)_mm512_loadu_si512(bs), (__m512bh)_mm512_loadu_si512(bs + 16));
       bs += NR;
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    _mm512_storeu_ps(out + i * NC, c0[i]);
-    _mm512_storeu_ps(out + i * NC + 16, c1[i]);
-  }
+  store12(c0, c1, out);
 }
 
 // ---- the block ---------------------------------------------------------------------------
