@@ -29,6 +29,7 @@
 
 #define BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #define NOINLINE __attribute__((noinline))
+#define INL __attribute__((always_inline)) inline
 
 constexpr int MR = 12, NR = 32, KP = 512, KC = 2 * KP, NC = 1024, ROWBLOCKS = 22;
 constexpr int M = MR * ROWBLOCKS;
@@ -75,22 +76,26 @@ BF16 inline __m512i units_i8(__m512i t, int j, __m512i top_b0, __m512i top_b1, _
   return _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(lof, 16), hif);
 }
 
-// 16 rows x KC of int8 -> KP pair units a row, at dst[p * NR + r] (the library's fused
-// packer, transposing 64 bytes of each row).
+// One 64-k step of the library's fused packer (16 rows, 32 pairs), transposing 64 bytes of
+// each row; pack16_transposed runs it over KC, kern12_fused2 a step at a time.
+BF16 INL void pack16_step(const int8_t* q, int64_t rs, int kk, uint32_t* dst, __m512i b0,
+                             __m512i b1, __m512i b2) {
+  __m512 v[16];
+  for (int r = 0; r < 16; ++r) v[r] = _mm512_castsi512_ps(_mm512_loadu_si512(q + r * rs + kk));
+  for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + (16 + r) * rs + kk), _MM_HINT_T1);
+  transpose16(v);
+  for (int i = 0; i < 16; ++i) {
+    const __m512i t = _mm512_castps_si512(v[i]);
+    const int p0 = (kk + 4 * i) / 2;
+    _mm512_storeu_si512(dst + (p0 + 0) * NR, units_i8(t, 0, b0, b1, b2));
+    _mm512_storeu_si512(dst + (p0 + 1) * NR, units_i8(t, 1, b0, b1, b2));
+  }
+}
+
+// 16 rows x KC of int8 -> KP pair units a row, at dst[p * NR + r].
 BF16 NOINLINE void pack16_transposed(const int8_t* q, int64_t rs, uint32_t* dst) {
   const __m512i b0 = byte_to_top(0), b1 = byte_to_top(1), b2 = byte_to_top(2);
-  for (int kk = 0; kk < KC; kk += 64) {
-    __m512 v[16];
-    for (int r = 0; r < 16; ++r) v[r] = _mm512_castsi512_ps(_mm512_loadu_si512(q + r * rs + kk));
-    for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + (16 + r) * rs + kk), _MM_HINT_T1);
-    transpose16(v);
-    for (int i = 0; i < 16; ++i) {
-      const __m512i t = _mm512_castps_si512(v[i]);
-      const int p0 = (kk + 4 * i) / 2;
-      _mm512_storeu_si512(dst + (p0 + 0) * NR, units_i8(t, 0, b0, b1, b2));
-      _mm512_storeu_si512(dst + (p0 + 1) * NR, units_i8(t, 1, b0, b1, b2));
-    }
-  }
+  for (int kk = 0; kk < KC; kk += 64) pack16_step(q, rs, kk, dst, b0, b1, b2);
 }
 
 // The same, each word of the 16 rows gathered.
@@ -107,7 +112,6 @@ BF16 NOINLINE void pack16_gather(const int8_t* q, int64_t rs, uint32_t* dst) {
 
 // One pair step of the 12 x 32 block: c0 / c1 += a's 12 pair units x the step's two unit
 // vectors; and the block's store (ld NC).
-#define INL __attribute__((always_inline)) inline
 BF16 INL void step12(__m512* c0, __m512* c1, const int32_t* a, __m512bh b0, __m512bh b1) {
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
@@ -158,21 +162,6 @@ BF16 NOINLINE void kern12_fused(const int32_t* a, const int8_t* q, int64_t rs, u
     }
   }
   store12(c0, c1, out);
-}
-
-// One 64-k step of pack16_transposed (16 rows, 32 pairs), inlined into kern12_fused2.
-BF16 inline void pack16_step(const int8_t* q, int64_t rs, int kk, uint32_t* dst, __m512i b0,
-                             __m512i b1, __m512i b2) {
-  __m512 v[16];
-  for (int r = 0; r < 16; ++r) v[r] = _mm512_castsi512_ps(_mm512_loadu_si512(q + r * rs + kk));
-  for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + (16 + r) * rs + kk), _MM_HINT_T1);
-  transpose16(v);
-  for (int i = 0; i < 16; ++i) {
-    const __m512i t = _mm512_castps_si512(v[i]);
-    const int p0 = (kk + 4 * i) / 2;
-    _mm512_storeu_si512(dst + (p0 + 0) * NR, units_i8(t, 0, b0, b1, b2));
-    _mm512_storeu_si512(dst + (p0 + 1) * NR, units_i8(t, 1, b0, b1, b2));
-  }
 }
 
 // The first row block's call, the transposing packer interleaved a 64-k step at a time:
