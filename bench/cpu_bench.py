@@ -33,7 +33,7 @@ WEIGHT_SHAPES = [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (819
 MS = [1, 2, 4, 8, 16, 32, 64, 256]
 # The section of bench/CPU_NOTES.md that describes the kernels this version of the bench was
 # written for; each run records it, so a table's bound texts name what held that run's code.
-NOTES_SECTION = 63
+NOTES_SECTION = 68
 
 
 def sysfs_caches() -> list[tuple[str, str, str]]:
@@ -458,9 +458,17 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             if m16:
                 w = min(m16, key=lambda r: r["ratio_vs_torch_weight_only"])
                 need = gflops(w) * 3 / w["ratio_vs_torch_weight_only"]
+                bound = flops_bound("3x", need, w, " plus the dequantisation")
+                if ("bf16" in meta.get("isa", "") and "amx" not in meta.get("isa", "")
+                        and meta.get("notes_section", 0) >= 68):
+                    # the AVX512-BF16 tile path (tile_block): counted in CPU_NOTES 68
+                    bound += ("; the tile path makes exact bf16 of each 32 weights in 5 operations (2 vpmovsxbd, "
+                              "2 vcvtdq2ps, 1 vcvtne2ps2bf16) for 16 vdpbf16ps (one per row of x); without overlap "
+                              "between the two, which a one-thread run matched (76% of the kernel's rate, "
+                              "bench/CPU_NOTES.md 68), it reaches at most 16/21 of the vdpbf16ps rate: "
+                              f"{ceiling * 16 / 21:.0f} of the fastest GEMM here")
                 row("int8 M=16 >= 3x torch._weight_int8pack_mm", f"worst {w['ratio_vs_torch_weight_only']:.2f}x "
-                    f"({w['K']}x{w['N']})", w["ratio_vs_torch_weight_only"] >= 3,
-                    flops_bound("3x", need, w, " plus the dequantisation"))
+                    f"({w['K']}x{w['N']})", w["ratio_vs_torch_weight_only"] >= 3, bound)
         elif refd:
             w = min(refd, key=lambda r: r["ratio_vs_torch_weight_only"])
             row("int4 >= 1x torch._weight_int4pack_mm_for_cpu everywhere",
@@ -488,6 +496,11 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
                 why = (f"more than our bf16 GEMM on the same shape ({dense_rate:.0f}; it packs 2-byte weights); "
                        "both run the same AMX tile kernel (32 x 32 of C), which ran at ~80% of its in-L1 rate in "
                        "the bf16 GEMM's profile at 2048 (bench/CPU_NOTES.md 49, 60)")
+            elif "bf16" in meta.get("isa", "") and meta.get("notes_section", 0) >= 68:  # profiled in CPU_NOTES 66, the overlap tried in 68
+                why = (f"more than our bf16 GEMM on the same shape ({dense_rate:.0f}; it packs 2-byte weights); "
+                       "the same vdpbf16ps micro-kernel runs at its peak, and dequantising, packing and storing "
+                       "take ~7% of the time (a perf profile, int8 per channel 4096 x 22016, bench/CPU_NOTES.md "
+                       "66); the packer run inside the micro-kernel's calls hid none of it (68)")
             else:  # the int8 / int4 packer reads fewer bytes than the bf16 one: the GEMM is no bound
                 why = (f"more than our bf16 GEMM on the same shape ({dense_rate:.0f}; it packs 2-byte weights); "
                        "the same vdpbf16ps micro-kernel runs at its peak, and dequantising and packing take ~8% of "
