@@ -432,6 +432,12 @@ def goals(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None) -
             if hot < 0.8 * probe:
                 bound += (f", more than ours does on cache-resident weights (4096 x 1024) right after the row: "
                           f"{hot:.1f} GB/s, its own instruction throughput (dequantising ops and {mac} per weight)")
+                if (bits == 4 and "bf16" in meta.get("isa", "") and "amx" not in meta.get("isa", "")
+                        and meta.get("notes_section", 0) >= 68):
+                    # small_block_nib at M = 1 on Zen 4, counted and timed in CPU_NOTES 66
+                    bound += ("; the nibble block's loop does 12 shifts, 16 vpternlogd and 16 vdpbf16ps per 4 rows x "
+                              "128 k (256 bytes) and alone takes 21-23 TSC ticks a block on one core, 14.9-16.5 "
+                              "without the shifts (bench/CPU_NOTES.md 66)")
             else:
                 fr = round_shares(w["weight_bytes"], [t * 1e-3 for t in w["ours_ms_rounds"]], w["read_GBps_rounds"])
                 shares = ", ".join(f"{f:.0%} of {p:.1f}" for f, p in zip(fr, w["read_GBps_rounds"]))

@@ -38,8 +38,8 @@ def met(cells: list[str]) -> bool:
     return cells[2] == "yes"
 
 
-# The committed CPU runs: the main table (Zen 4 VM, f50a460's second run; its first run f50a460a,
-# 0c7b162 and 8463bc3 the runs before), the AMX
+# The committed CPU runs: the main table (Zen 4 VM, 6537f86's second run; its first run 6537f86a,
+# f50a460's two runs, 0c7b162 and 8463bc3 the runs before), the AMX
 # host's full runs (run 43c on a quiet host, run 44e on a loaded one), the Zen 5 VM's full runs (58813e3 with target 2.9 on torch's
 # OpenMP, ee8f0a3 with bf16 A read in place, 3f7c079 before it, b02b399 before the tile path's
 # new cuts, and 3d0b749 before its passes of 1024 k), the AVX2 quick runs (a8ef235 with the
@@ -61,10 +61,10 @@ XEON_VM_RUNS = ["cpu_bench_xeon_vm", "cpu_bench_xeon_vm_5495b39a", "cpu_bench_xe
                 "cpu_bench_xeon_vm_1fa692e", "cpu_bench_xeon_vm_5cc88a5", "cpu_bench_xeon_vm_dbdff80", "cpu_bench_xeon_vm_0b81b14", "cpu_bench_xeon_vm_b28457b", "cpu_bench_xeon_vm_938b133", "cpu_bench_xeon_vm_a4d1860", "cpu_bench_xeon_vm_76e2888", "cpu_bench_xeon_vm_9ef69af", "cpu_bench_xeon_vm_b94b994", "cpu_bench_xeon_vm_136e673",
                 "cpu_bench_xeon_vm_2f51938", "cpu_bench_xeon_vm_rot128"]
 ZEN1_RUNS = ["cpu_bench_zen1", "cpu_bench_zen1_4fa091a", "cpu_bench_zen1_2b3e7a6", "cpu_bench_zen1_b916631"]
-CPU_RUNS = ["cpu_bench", "cpu_bench_f50a460a", "cpu_bench_0c7b162", "cpu_bench_8463bc3", "cpu_bench_amx", "cpu_bench_amx_run44e", *ZEN5_RUNS, *AVX2_FULL_RUNS,
+CPU_RUNS = ["cpu_bench", "cpu_bench_6537f86a", "cpu_bench_f50a460", "cpu_bench_f50a460a", "cpu_bench_0c7b162", "cpu_bench_8463bc3", "cpu_bench_amx", "cpu_bench_amx_run44e", *ZEN5_RUNS, *AVX2_FULL_RUNS,
             "cpu_bench_avx2_0e42798", *XEON_VM_RUNS, *ZEN1_RUNS]
 # The runs with dense rows, whose every goal row can be recomputed here.
-CPU_FULL_RUNS = ["cpu_bench", "cpu_bench_f50a460a", "cpu_bench_0c7b162", "cpu_bench_8463bc3", "cpu_bench_amx", "cpu_bench_amx_run44e", *ZEN5_RUNS, *AVX2_FULL_RUNS,
+CPU_FULL_RUNS = ["cpu_bench", "cpu_bench_6537f86a", "cpu_bench_f50a460", "cpu_bench_f50a460a", "cpu_bench_0c7b162", "cpu_bench_8463bc3", "cpu_bench_amx", "cpu_bench_amx_run44e", *ZEN5_RUNS, *AVX2_FULL_RUNS,
                  *XEON_VM_RUNS, *ZEN1_RUNS]
 
 
