@@ -25,13 +25,20 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 want() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 
 if want tests; then
+  # AOTInductor packages built through these machines' CXX (a wrapper script around g++ 13)
+  # crash at load, torch's own too; the system g++ builds working ones (bench/GPU_NOTES.md,
+  # runs 101-103). tests/test_torch_integration.py's AOTInductor test takes its compiler from this.
+  if [ -z "${PG_TEST_AOTI_CXX:-}" ] && [ -x /usr/bin/g++ ]; then export PG_TEST_AOTI_CXX=/usr/bin/g++; fi
   for target in default 2.10 2.9; do
     env=()
     [ "$target" != default ] && env=(PORTABLE_GEMM_TARGET=$target)
     log="$OUT/pytest_${target}.log"
     # full suite under the machine's own target; the GPU-relevant files under forced targets
     files=(.)
-    [ "$target" != default ] && files=(test_cuda.py test_gemm.py test_mixed_linear.py test_torch_integration.py test_bad_input.py)
+    # (the AOTInductor test compiles two packages, ~80 s: once, under the machine's own target;
+    # --deselect takes node ids from the rootdir, the repository root)
+    [ "$target" != default ] && files=(test_cuda.py test_gemm.py test_mixed_linear.py test_torch_integration.py test_bad_input.py
+                                        --deselect tests/test_torch_integration.py::test_aot_inductor_package_calls_the_ops)
     kexpr=()
     [ -n "${PG_PYTEST_K:-}" ] && kexpr=(-k "$PG_PYTEST_K")
     # shellcheck disable=SC2086  # PG_PYTEST_EXTRA: extra pytest arguments, word-split on purpose

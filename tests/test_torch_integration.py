@@ -1,7 +1,10 @@
 """opcheck on every op, torch.compile(fullgraph=True), and autograd (gradcheck in float64 is
 not possible - the ops take fp32/fp16/bf16 - so gradients are compared with torch's)."""
 
-import zipfile
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,23 +164,31 @@ def test_export_keeps_the_ops_and_a_dynamic_batch(device):
         assert torch.equal(y, m(x))
 
 
+def _aoti_child(kind: str, device: str, tmp_path) -> subprocess.CompletedProcess:
+    # The target in force (PORTABLE_GEMM_TARGET) carries over to the child. PG_TEST_AOTI_CXX,
+    # where set, is the C++ compiler AOTInductor runs there (its CXX): ci/gpu_session.sh sets
+    # it on the GPU machines, whose CXX wrapper builds packages that crash at load (runs 101-103).
+    env = dict(os.environ)
+    if os.environ.get("PG_TEST_AOTI_CXX"):
+        env["CXX"] = os.environ["PG_TEST_AOTI_CXX"]
+    return subprocess.run([sys.executable, str(Path(__file__).with_name("aoti_check.py")), kind, device,
+                           str(tmp_path / kind)], capture_output=True, text=True, timeout=1200, env=env)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-# torch's own pytree warns while AOTInductor pickles the call spec (torch 2.13, from copyreg)
-@pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")
 def test_aot_inductor_package_calls_the_ops(device, tmp_path):
     # The deployment path the stable ABI is for: AOTInductor compiles the exported program
     # into a .pt2 package whose generated code calls the ops through the dispatcher. Loaded
-    # back, it must give the eager result bit for bit, at two batch sizes.
-    m, ep = _export_block(device)
-    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "block.pt2"))
-    # the package's extern-call spec names both ops (they are called, not traced into)
-    with zipfile.ZipFile(path) as z:
-        spec = b"".join(z.read(n) for n in z.namelist() if n.endswith(".wrapper.json"))
-    ns = pg.info()["namespace"]
-    assert f"{ns}::gemm".encode() in spec and f"{ns}::mixed_linear".encode() in spec, spec[:400]
-    run = torch._inductor.aoti_load_package(path)
-    for rows in (3, 17):
-        x = rand((rows, 48), torch.bfloat16, device)
-        y = run(x)
-        assert y.shape == (rows, 24)
-        assert torch.equal(y, m(x))
+    # back, it must give the eager result bit for bit, at two batch sizes (aoti_check.py,
+    # in a child process: a toolchain that builds packages wrong can crash the loader).
+    r = _aoti_child("ours", device, tmp_path)
+    if r.returncode != 0 and "loaded" not in r.stdout:
+        # Did the package fail to build or load for a reason of ours, or does torch's own
+        # AOTInductor fail here? The control: the same shapes in plain nn.Linear layers.
+        control = _aoti_child("plain", device, tmp_path)
+        if control.returncode != 0:
+            pytest.skip(f"torch {torch.__version__}'s AOTInductor fails on this machine without our ops "
+                        f"too (CXX={os.environ.get('PG_TEST_AOTI_CXX') or os.environ.get('CXX') or 'unset'}): "
+                        f"a package of plain nn.Linear layers exits {control.returncode} "
+                        f"({(control.stderr.strip().splitlines() or ['no output'])[-1][:200]})")
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,0 +1,77 @@
+"""Child process of test_torch_integration.py's AOTInductor test.
+
+    python aoti_check.py ours|plain DEVICE DIR
+
+Exports a small model with a dynamic batch, compiles it into an AOTInductor package in DIR,
+loads it back and compares it with eager at two batch sizes, bit for bit; prints "ok" at the
+end. "ours" is a gemm with bias and SiLU, then an int4 g32 and an int8 per-channel
+QuantizedLinear, and the package's extern-call spec must name both ops; "plain" is the same
+shapes in torch's own nn.Linear layers, the control that tells a broken AOTInductor
+toolchain on the machine from a fault of ours. It runs in a child because loading a package
+that the machine's toolchain built wrong can crash the process: on the lent GPU machines
+(torch 2.11), packages built through their CXX, a wrapper script around g++ 13, crash at load
+with signal 11, the plain model's too; /usr/bin/g++ builds working ones (bench/GPU_NOTES.md,
+runs 101-103).
+"""
+
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+
+
+def build(kind: str, device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+
+    def linear(k, n):
+        return torch.nn.Linear(k, n).to(device=device, dtype=torch.bfloat16)
+
+    if kind == "plain":
+        return torch.nn.Sequential(linear(48, 64), torch.nn.SiLU(), linear(64, 40), linear(40, 24)).eval()
+    import portable_gemm as pg
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            first = linear(48, 64)
+            self.w = torch.nn.Parameter(first.weight.detach().t().contiguous(), requires_grad=False)
+            self.b = torch.nn.Parameter(first.bias.detach(), requires_grad=False)
+            self.q4 = pg.nn.QuantizedLinear.from_linear(linear(64, 40), bits=4, group_size=32)
+            self.q8 = pg.nn.QuantizedLinear.from_linear(linear(40, 24), bits=8, group_size=None)
+
+        def forward(self, x):
+            return self.q8(self.q4(pg.gemm(x, self.w, bias=self.b, activation="silu")))
+
+    return Block().eval()
+
+
+def main(kind: str, device: str, out: Path) -> None:
+    m = build(kind, device)
+    batch = torch.export.Dim("batch", min=2, max=64)
+    x0 = torch.randn(5, 48, device=device).to(torch.bfloat16)
+    ep = torch.export.export(m, (x0,), dynamic_shapes=({0: batch},))
+    out.mkdir(parents=True, exist_ok=True)
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(out / f"{kind}.pt2"))
+    print("compiled", path, flush=True)
+    if kind == "ours":
+        import portable_gemm as pg
+
+        # the extern-call spec names both ops: they are called, not traced into
+        with zipfile.ZipFile(path) as z:
+            spec = b"".join(z.read(n) for n in z.namelist() if n.endswith(".wrapper.json"))
+        ns = pg.info()["namespace"]
+        for op in ("gemm", "mixed_linear"):
+            assert f"{ns}::{op}".encode() in spec, (op, spec[:400])
+    run = torch._inductor.aoti_load_package(path)
+    print("loaded", flush=True)
+    for rows in (3, 17):
+        x = torch.randn(rows, 48, device=device).to(torch.bfloat16)
+        y, want = run(x), m(x)
+        assert y.shape == (rows, 24), y.shape
+        assert torch.equal(y, want), f"rows {rows}: max |diff| {(y.float() - want.float()).abs().max().item()}"
+    print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
