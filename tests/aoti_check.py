@@ -46,11 +46,16 @@ def build(kind: str, device: str) -> torch.nn.Module:
     return Block().eval()
 
 
-def main(kind: str, device: str, out: Path) -> None:
-    m = build(kind, device)
+def export(m: torch.nn.Module, device: str) -> torch.export.ExportedProgram:
+    """m exported with a dynamic batch (2 to 64 rows of 48)."""
     batch = torch.export.Dim("batch", min=2, max=64)
     x0 = torch.randn(5, 48, device=device).to(torch.bfloat16)
-    ep = torch.export.export(m, (x0,), dynamic_shapes=({0: batch},))
+    return torch.export.export(m, (x0,), dynamic_shapes=({0: batch},))
+
+
+def main(kind: str, device: str, out: Path) -> None:
+    m = build(kind, device)
+    ep = export(m, device)
     out.mkdir(parents=True, exist_ok=True)
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(out / f"{kind}.pt2"))
     print("compiled", path, flush=True)

@@ -1,11 +1,13 @@
-"""opcheck on every op, torch.compile(fullgraph=True), and autograd (gradcheck in float64 is
-not possible - the ops take fp32/fp16/bf16 - so gradients are compared with torch's)."""
+"""opcheck on every op, torch.compile(fullgraph=True), autograd (gradcheck in float64 is
+not possible - the ops take fp32/fp16/bf16 - so gradients are compared with torch's),
+torch.export with a dynamic batch and AOTInductor packages."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import aoti_check  # tests/aoti_check.py: the model, exported here and compiled in its child
 import pytest
 import torch
 from conftest import DEVICES, act_ref, assert_close, dequant_ref, rand
@@ -117,41 +119,12 @@ def test_wrappers_skip_autograd_only_when_no_grad_is_needed(device):
     assert pg.mixed_linear(xr, q, s, bits=4, group_size=32).grad_fn is not None
 
 
-class _Block(torch.nn.Module):
-    """gemm with bias and activation, then an int4 g32 and an int8 per-channel linear: the
-    three ops a deployed model calls, with weights held as constants."""
-
-    def __init__(self, device):
-        super().__init__()
-        self.w = torch.nn.Parameter(rand((48, 64), torch.bfloat16, device), requires_grad=False)
-        self.b = torch.nn.Parameter(rand((64,), torch.bfloat16, device), requires_grad=False)
-        self.q4 = pg.nn.QuantizedLinear.from_linear(_linear(64, 40, device), bits=4, group_size=32)
-        self.q8 = pg.nn.QuantizedLinear.from_linear(_linear(40, 24, device), bits=8, group_size=None)
-
-    def forward(self, x):
-        return self.q8(self.q4(pg.gemm(x, self.w, bias=self.b, activation="silu")))
-
-
-def _linear(k, n, device):
-    lin = torch.nn.Linear(k, n).to(device=device, dtype=torch.bfloat16)
-    with torch.no_grad():
-        lin.weight.copy_(rand((n, k), torch.bfloat16, device))
-        lin.bias.copy_(rand((n,), torch.bfloat16, device))
-    return lin
-
-
-def _export_block(device):
-    m = _Block(device).eval()
-    batch = torch.export.Dim("batch", min=2, max=64)
-    ep = torch.export.export(m, (rand((5, 48), torch.bfloat16, device),), dynamic_shapes=({0: batch},))
-    return m, ep
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_export_keeps_the_ops_and_a_dynamic_batch(device):
     # torch.export traces through the fake kernels with a symbolic batch; the exported
     # program calls the same ops and gives the eager result bit for bit at other batches.
-    m, ep = _export_block(device)
+    m = aoti_check.build("ours", device)
+    ep = aoti_check.export(m, device)
     called = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     ns = pg.info()["namespace"]
     assert sum(t.startswith(f"{ns}.gemm") for t in called) == 1, called
