@@ -1,14 +1,18 @@
 """C++ consumers: the wheel's CMake package finds the kernel library; a downstream
-stable-ABI op built against it (examples/cpp_consumer) loads and computes."""
+stable-ABI op built against it (examples/cpp_consumer) loads and computes; a C++ program
+without Python runs an AOTInductor package that calls the ops (examples/aoti_cpp)."""
 
 import os
 import shutil
 import subprocess
 import sys
 
+import aoti_check  # tests/aoti_check.py
 import pytest
 import torch
 from conftest import REPO, run_python
+
+import portable_gemm as pg
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
@@ -39,3 +43,30 @@ print("OK", err)
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("OK")
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
+                    reason="needs cmake and a C++ compiler")
+def test_aoti_package_runs_from_cpp_without_python(tmp_path):
+    # Deployment without Python: examples/aoti_cpp loads the binding this process's loader
+    # picked, registers the ops (portable_gemm_register) and runs the package through
+    # torch's AOTIModelPackageLoader. Its output must equal the eager model's bit for bit.
+    package = aoti_check.package_or_skip("cpu", tmp_path)
+    torch_dir = os.path.dirname(torch.__file__)
+    build = tmp_path / "build"
+    for cmd in (["cmake", "-S", str(REPO / "examples" / "aoti_cpp"), "-B", str(build), f"-DTORCH_DIR={torch_dir}",
+                 "-DCMAKE_BUILD_TYPE=Release"], ["cmake", "--build", str(build)]):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = 9
+    x = torch.randn(rows, 48).to(torch.bfloat16)
+    (tmp_path / "x.bin").write_bytes(x.view(torch.int16).numpy().tobytes())
+    binding = pg.info()["libraries"]["cpu"]
+    run = subprocess.run([str(build / "run_package"), binding, str(package), str(tmp_path / "x.bin"),
+                          str(tmp_path / "y.bin"), str(rows), "48"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert '"target"' in run.stdout and f"output [{rows}, 24] BFloat16" in run.stdout, run.stdout
+    y = torch.frombuffer(bytearray((tmp_path / "y.bin").read_bytes()), dtype=torch.bfloat16).view(rows, 24)
+    with torch.no_grad():
+        want = aoti_check.build("ours", "cpu")(x)
+    assert torch.equal(y, want), (y.float() - want.float()).abs().max()

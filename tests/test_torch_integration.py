@@ -2,11 +2,6 @@
 not possible - the ops take fp32/fp16/bf16 - so gradients are compared with torch's),
 torch.export with a dynamic batch and AOTInductor packages."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import aoti_check  # tests/aoti_check.py: the model, exported here and compiled in its child
 import pytest
 import torch
@@ -137,31 +132,10 @@ def test_export_keeps_the_ops_and_a_dynamic_batch(device):
         assert torch.equal(y, m(x))
 
 
-def _aoti_child(kind: str, device: str, tmp_path) -> subprocess.CompletedProcess:
-    # The target in force (PORTABLE_GEMM_TARGET) carries over to the child. PG_TEST_AOTI_CXX,
-    # where set, is the C++ compiler AOTInductor runs there (its CXX): ci/gpu_session.sh sets
-    # it on the GPU machines, whose CXX wrapper builds packages that crash at load (runs 101-103).
-    env = dict(os.environ)
-    if os.environ.get("PG_TEST_AOTI_CXX"):
-        env["CXX"] = os.environ["PG_TEST_AOTI_CXX"]
-    return subprocess.run([sys.executable, str(Path(__file__).with_name("aoti_check.py")), kind, device,
-                           str(tmp_path / kind)], capture_output=True, text=True, timeout=1200, env=env)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_aot_inductor_package_calls_the_ops(device, tmp_path):
     # The deployment path the stable ABI is for: AOTInductor compiles the exported program
     # into a .pt2 package whose generated code calls the ops through the dispatcher. Loaded
     # back, it must give the eager result bit for bit, at two batch sizes (aoti_check.py,
     # in a child process: a toolchain that builds packages wrong can crash the loader).
-    r = _aoti_child("ours", device, tmp_path)
-    if r.returncode != 0 and "loaded" not in r.stdout:
-        # Did the package fail to build or load for a reason of ours, or does torch's own
-        # AOTInductor fail here? The control: the same shapes in plain nn.Linear layers.
-        control = _aoti_child("plain", device, tmp_path)
-        if control.returncode != 0:
-            pytest.skip(f"torch {torch.__version__}'s AOTInductor fails on this machine without our ops "
-                        f"too (CXX={os.environ.get('PG_TEST_AOTI_CXX') or os.environ.get('CXX') or 'unset'}): "
-                        f"a package of plain nn.Linear layers exits {control.returncode} "
-                        f"({(control.stderr.strip().splitlines() or ['no output'])[-1][:200]})")
-    assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
+    aoti_check.package_or_skip(device, tmp_path)
