@@ -54,8 +54,10 @@ def test_aoti_package_runs_from_cpp_without_python(tmp_path):
     package = aoti_check.package_or_skip("cpu", tmp_path)
     torch_dir = os.path.dirname(torch.__file__)
     build = tmp_path / "build"
+    # the compiler the package was built with, where the session names one (aoti_check.child)
+    cxx = [f"-DCMAKE_CXX_COMPILER={os.environ['PG_TEST_AOTI_CXX']}"] if os.environ.get("PG_TEST_AOTI_CXX") else []
     for cmd in (["cmake", "-S", str(REPO / "examples" / "aoti_cpp"), "-B", str(build), f"-DTORCH_DIR={torch_dir}",
-                 "-DCMAKE_BUILD_TYPE=Release"], ["cmake", "--build", str(build)]):
+                 "-DCMAKE_BUILD_TYPE=Release", *cxx], ["cmake", "--build", str(build)]):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = 9
