@@ -27,7 +27,7 @@ want() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 if want tests; then
   # AOTInductor packages built through these machines' CXX (a wrapper script around g++ 13)
   # crash at load, torch's own too; the system g++ builds working ones (bench/GPU_NOTES.md,
-  # runs 101-103). tests/test_torch_integration.py's AOTInductor test takes its compiler from this.
+  # runs 101-103). The AOTInductor tests (tests/aoti_check.py, test_cpp_consumer.py) take it from this.
   if [ -z "${PG_TEST_AOTI_CXX:-}" ] && [ -x /usr/bin/g++ ]; then export PG_TEST_AOTI_CXX=/usr/bin/g++; fi
   for target in default 2.10 2.9; do
     env=()
@@ -41,8 +41,9 @@ if want tests; then
                                         --deselect tests/test_torch_integration.py::test_aot_inductor_package_calls_the_ops)
     kexpr=()
     [ -n "${PG_PYTEST_K:-}" ] && kexpr=(-k "$PG_PYTEST_K")
+    # (the default run has the AOTInductor tests too: ~190 s of suite and ~150 s of packages, run 105)
     # shellcheck disable=SC2086  # PG_PYTEST_EXTRA: extra pytest arguments, word-split on purpose
-    (cd tests && env "${env[@]}" timeout 400 $PY -m pytest -q -p no:cacheprovider "${files[@]}" "${kexpr[@]}" ${PG_PYTEST_EXTRA:-} > "$log" 2>&1)
+    (cd tests && env "${env[@]}" timeout "$([ "$target" = default ] && echo 540 || echo 300)" $PY -m pytest -q -p no:cacheprovider "${files[@]}" "${kexpr[@]}" ${PG_PYTEST_EXTRA:-} > "$log" 2>&1)
     note "pytest target=$target: $(tail -1 "$log")"
   done
 fi
