@@ -14,9 +14,11 @@ from conftest import REPO, run_python
 
 import portable_gemm as pg
 
+needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
+                                 reason="needs cmake and a C++ compiler")
 
-@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
-                    reason="needs cmake and a C++ compiler")
+
+@needs_cmake
 def test_cpp_consumer_builds_and_runs(tmp_path):
     cmake_dir = subprocess.run([sys.executable, "-m", "portable_gemm", "--cmake-dir"], capture_output=True,
                                text=True, check=True).stdout.strip()
@@ -45,8 +47,7 @@ print("OK", err)
     assert proc.stdout.startswith("OK")
 
 
-@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
-                    reason="needs cmake and a C++ compiler")
+@needs_cmake
 def test_aoti_package_runs_from_cpp_without_python(tmp_path):
     # Deployment without Python: examples/aoti_cpp loads the binding this process's loader
     # picked, registers the ops (portable_gemm_register) and runs the package through
