@@ -2,6 +2,7 @@
 stable-ABI op built against it (examples/cpp_consumer) loads and computes; a C++ program
 without Python runs an AOTInductor package that calls the ops (examples/aoti_cpp)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -48,11 +49,16 @@ print("OK", err)
 
 
 @needs_cmake
-def test_aoti_package_runs_from_cpp_without_python(tmp_path):
-    # Deployment without Python: examples/aoti_cpp loads the binding this process's loader
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_aoti_package_runs_from_cpp_without_python(tmp_path, device):
+    # Deployment without Python: examples/aoti_cpp loads the bindings this process's loader
     # picked, registers the ops (portable_gemm_register) and runs the package through
     # torch's AOTIModelPackageLoader. Its output must equal the eager model's bit for bit.
-    package = aoti_check.package_or_skip("cpu", tmp_path)
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if device == "cuda" and "cuda" not in pg.info()["libraries"]:
+        pytest.skip(f"no CUDA binding loaded: {pg.info()['cuda'].get('reason')}")
+    package = aoti_check.package_or_skip(device, tmp_path)
     torch_dir = os.path.dirname(torch.__file__)
     build = tmp_path / "build"
     # the compiler the package was built with, where the session names one (aoti_check.child)
@@ -64,13 +70,17 @@ def test_aoti_package_runs_from_cpp_without_python(tmp_path):
     rows = 9
     x = torch.randn(rows, 48).to(torch.bfloat16)
     (tmp_path / "x.bin").write_bytes(x.view(torch.int16).numpy().tobytes())
-    binding = pg.info()["libraries"]["cpu"]
-    run = subprocess.run([str(build / "run_package"), binding, str(package), str(tmp_path / "x.bin"),
-                          str(tmp_path / "y.bin"), str(rows), "48"], capture_output=True, text=True, timeout=600)
+    libraries = pg.info()["libraries"]
+    bindings = [libraries["cpu"]] + ([libraries["cuda"]] if device == "cuda" else [])
+    run = subprocess.run([str(build / "run_package"), str(package), str(tmp_path / "x.bin"), str(tmp_path / "y.bin"),
+                          str(rows), "48", *bindings], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert f'"target": "{pg.info()["target"]}"' in run.stdout, run.stdout  # the binding the loader picked
-    assert f"output [{rows}, 24] BFloat16" in run.stdout, run.stdout
+    # the bindings the loader picked: one line each, CPU then CUDA, of this target
+    infos = [json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines() if line.startswith("binding ")]
+    assert [(i["target"], i["device"]) for i in infos] == [(pg.info()["target"], d) for d in ["cpu", "cuda"][:len(bindings)]], \
+        run.stdout
+    assert f"output [{rows}, 24] BFloat16 from {device}" in run.stdout, run.stdout
     y = torch.frombuffer(bytearray((tmp_path / "y.bin").read_bytes()), dtype=torch.bfloat16).view(rows, 24)
     with torch.no_grad():
-        want = aoti_check.build("ours", "cpu")(x)
+        want = aoti_check.build("ours", device)(x.to(device)).cpu()
     assert torch.equal(y, want), (y.float() - want.float()).abs().max()

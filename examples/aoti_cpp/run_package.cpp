@@ -1,16 +1,19 @@
-// Runs an AOTInductor package whose model calls portable_gemm's ops, from C++ without Python
-// (CPU packages: the input is made on the CPU and only libtorch_cpu is linked).
+// Runs an AOTInductor package whose model calls portable_gemm's ops, from C++ without Python.
 //
-//   run_package BINDING PACKAGE IN OUT ROWS COLS
+//   run_package PACKAGE IN OUT ROWS COLS CPU_BINDING [CUDA_BINDING]
 //
-// BINDING is the portable_gemm binding for the libtorch this program runs against: the
+// CPU_BINDING is the portable_gemm binding for the libtorch this program runs against: the
 // newest target not newer than it (portable_gemm_cpu_t2_13.so for libtorch 2.13; `python -m
-// portable_gemm info` prints the one its loader picks). Its RUNPATH finds the kernel library
-// next to it. portable_gemm_register() defines the ops under a namespace, which must be the
-// one the package was exported with ("portable_gemm" unless the package was vendored).
+// portable_gemm info` prints the ones its loader picks). Its RUNPATH finds the kernel library
+// next to it. Its portable_gemm_register() defines the ops under a namespace, which must be
+// the one the package was exported with ("portable_gemm" unless the package was vendored).
+// A CUDA package also needs CUDA_BINDING (portable_gemm_cuda_t2_11.so and so on, the same
+// target), whose portable_gemm_register() adds the CUDA kernels to those ops; the program
+// must then be linked with libtorch_cuda (CMakeLists.txt does where torch has it), and the
+// input is moved to the current CUDA device.
 // IN holds ROWS x COLS bf16 values (raw, row-major); OUT receives the model's first output,
-// raw, in its own dtype. Exit codes: 2 usage, 3 dlopen, 4 registration, 5 input, 6 output,
-// 7 an exception from torch (loading or running the package).
+// raw, in its own dtype, copied to the CPU. Exit codes: 2 usage, 3 dlopen, 4 registration,
+// 5 input, 6 output, 7 an exception from torch (loading or running the package).
 #include <dlfcn.h>
 
 #include <ATen/ATen.h>
@@ -32,12 +35,9 @@ Fn symbol(void* lib, const char* name) {
   return reinterpret_cast<Fn>(p);
 }
 
-int run(int argc, char** argv) {
-  if (argc != 7) {
-    std::cerr << "usage: run_package BINDING PACKAGE IN OUT ROWS COLS\n";
-    return 2;
-  }
-  void* binding = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+// dlopen a binding and register its kernels under "portable_gemm"; the exit code on failure.
+int load_binding(const char* path) {
+  void* binding = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (!binding) {
     std::cerr << "dlopen: " << dlerror() << "\n";
     return 3;
@@ -49,15 +49,28 @@ int run(int argc, char** argv) {
   if (!reg || !info) return 4;
   char err[1024] = {0};
   if (reg("portable_gemm", err, sizeof err) != 0) {
-    std::cerr << "portable_gemm_register: " << err << "\n";
+    std::cerr << "portable_gemm_register (" << path << "): " << err << "\n";
     return 4;
   }
   std::cout << "binding " << info() << "\n";
+  return 0;
+}
 
-  const int64_t rows = std::stoll(argv[5]), cols = std::stoll(argv[6]);
-  std::ifstream in(argv[3], std::ios::binary);
+int run(int argc, char** argv) {
+  if (argc != 7 && argc != 8) {
+    std::cerr << "usage: run_package PACKAGE IN OUT ROWS COLS CPU_BINDING [CUDA_BINDING]\n";
+    return 2;
+  }
+  // the CPU binding first: it defines the ops, the CUDA binding only adds kernels to them
+  for (int i = 6; i < argc; ++i) {
+    if (int rc = load_binding(argv[i])) return rc;
+  }
+  const bool cuda = argc == 8;
+
+  const int64_t rows = std::stoll(argv[4]), cols = std::stoll(argv[5]);
+  std::ifstream in(argv[2], std::ios::binary);
   if (!in) {
-    std::cerr << "IN: cannot open " << argv[3] << "\n";
+    std::cerr << "IN: cannot open " << argv[2] << "\n";
     return 5;
   }
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -66,12 +79,13 @@ int run(int argc, char** argv) {
     return 5;
   }
   at::Tensor x = at::from_blob(bytes.data(), {rows, cols}, at::kBFloat16).clone();
+  if (cuda) x = x.to(at::Device(at::kCUDA));
 
-  torch::inductor::AOTIModelPackageLoader loader(argv[2]);
+  torch::inductor::AOTIModelPackageLoader loader(argv[1]);
   std::vector<at::Tensor> outputs = loader.run({x});
-  at::Tensor y = outputs.at(0).contiguous();
-  std::cout << "output " << y.sizes() << " " << y.scalar_type() << "\n";
-  std::ofstream out(argv[4], std::ios::binary);
+  at::Tensor y = outputs.at(0).to(at::Device(at::kCPU)).contiguous();
+  std::cout << "output " << y.sizes() << " " << y.scalar_type() << " from " << outputs.at(0).device() << "\n";
+  std::ofstream out(argv[3], std::ios::binary);
   out.write(static_cast<const char*>(y.data_ptr()), static_cast<std::streamsize>(y.nbytes()));
   out.close();
   if (out.fail()) {
