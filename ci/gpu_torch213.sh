@@ -22,6 +22,12 @@ got=$(sha256sum "$CHUNKS/both.bin" | cut -d' ' -f1)
 head -c "$TORCH_BYTES" "$CHUNKS/both.bin" > "$CHUNKS/torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl"
 tail -c +"$((TORCH_BYTES + 1))" "$CHUNKS/both.bin" | tar xzf - -C "$T" || fail "NCCL archive did not unpack"
 $PY -m pip install -q --no-deps --target "$T" "$CHUNKS"/torch-2.13.0-*.whl "$WHEEL" 2>&1 | tail -2
+# torch's CUDA libraries find their NVIDIA dependencies through RUNPATHs ($ORIGIN/../../nvidia/...),
+# i.e. in $T/nvidia, which has only NCCL: the image's other packages (cu13, cudnn, cusparselt,
+# nvshmem) are linked in. Python finds them on sys.path anyway; a C++ program linked
+# against libtorch_cuda (test_cpp_consumer.py) does not (run 108).
+SITE=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+for d in "$SITE"/nvidia/*; do [ -e "$T/nvidia/$(basename "$d")" ] || ln -s "$d" "$T/nvidia/"; done
 export PYTHONPATH=$T
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())" \
   | tee "$OUT/torch.txt"
