@@ -70,15 +70,14 @@ def test_aoti_package_runs_from_cpp_without_python(tmp_path, device):
     rows = 9
     x = torch.randn(rows, 48).to(torch.bfloat16)
     (tmp_path / "x.bin").write_bytes(x.view(torch.int16).numpy().tobytes())
-    libraries = pg.info()["libraries"]
-    bindings = [libraries["cpu"]] + ([libraries["cuda"]] if device == "cuda" else [])
+    devices = ["cpu"] + (["cuda"] if device == "cuda" else [])  # the CPU binding defines the ops
+    bindings = [pg.info()["libraries"][d] for d in devices]
     run = subprocess.run([str(build / "run_package"), str(package), str(tmp_path / "x.bin"), str(tmp_path / "y.bin"),
                           str(rows), "48", *bindings], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     # the bindings the loader picked: one line each, CPU then CUDA, of this target
     infos = [json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines() if line.startswith("binding ")]
-    assert [(i["target"], i["device"]) for i in infos] == [(pg.info()["target"], d) for d in ["cpu", "cuda"][:len(bindings)]], \
-        run.stdout
+    assert [(i["target"], i["device"]) for i in infos] == [(pg.info()["target"], d) for d in devices], run.stdout
     assert f"output [{rows}, 24] BFloat16 from {device}" in run.stdout, run.stdout
     y = torch.frombuffer(bytearray((tmp_path / "y.bin").read_bytes()), dtype=torch.bfloat16).view(rows, 24)
     with torch.no_grad():
