@@ -4,6 +4,8 @@ Also the loader's refusals: a target newer than torch, an unknown target, torch 
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,3 +178,46 @@ def test_info_cli():
         assert "CPU-only build" in d["cuda"]["reason"]
     proc = run_python("from portable_gemm.__main__ import main; main(['info'])")
     assert "candidates:" in proc.stdout and "loaded" in proc.stdout
+
+
+# The README's first command ends in `python -m portable_gemm demo`: its main job.
+DEMO_ROWS = ("gemm float32 +bias gelu", "gemm float16 +bias gelu", "gemm bfloat16 +bias gelu",
+             "mixed_linear int8 gchan", "mixed_linear int4 g128")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_demo_cli_runs_every_op_and_says_what_it_chose(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    proc = subprocess.run([sys.executable, "-m", "portable_gemm", "demo", "--device", device],
+                          capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PORTABLE_GEMM_TARGET"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    # what it chose and why: the loaded target with its reason, every other candidate's
+    target = pg.info()["target"]
+    assert f"target       {target}" in out
+    assert f"  {target}" in out and "loaded    newest target <= torch" in out
+    for cand in pg.info()["candidates"]:
+        assert cand["reason"] in out, cand
+    # every op ran against its float64 reference within tolerance, on the asked device
+    for name in DEMO_ROWS:
+        row = next((ln for ln in out.splitlines() if ln.startswith(name + " ")), None)
+        assert row is not None, f"no row for {name}:\n{out}"
+        cols = row[len(name):].split()
+        assert cols[0] == device and cols[-1] == "ok", row
+        assert float(cols[-4]) <= float(cols[-3]), row  # rel.err <= tol
+    assert f"{len(DEMO_ROWS)} passed, 0 failed" in out
+
+
+def test_demo_cli_fails_when_an_op_is_wrong():
+    # The demo's check can fail: with gemm's output scaled by 1.05 it reports FAIL, exit 1.
+    code = (
+        "import sys, portable_gemm as pg\n"
+        "real = pg.gemm\n"
+        "pg.gemm = lambda *a, **k: real(*a, **k) * 1.05\n"
+        "from portable_gemm.__main__ import main\n"
+        "sys.exit(main(['demo', '--device', 'cpu']))\n")
+    proc = run_python(code)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("FAIL") == 3 and "2 passed, 3 failed" in proc.stdout
