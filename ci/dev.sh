@@ -12,13 +12,17 @@
 #   bash ci/dev.sh matrix [args]   the runtime matrix (one venv per torch release, uv cache)
 #   bash ci/dev.sh bench [args]    CPU benchmark (ratios against torch in the same process)
 #   bash ci/dev.sh sanitize [args] the CPU suite under an ASan+UBSan build (ci/sanitize.sh)
+#   bash ci/dev.sh abi3 [args]     the cp312-abi3 wheel (what 3.12 and later install) built with
+#                           Python 3.12 into dist-abi3/, then the test suite under Python 3.13
 #
 # Environment: PG_VENV (default .venv), PG_PYTHON (default python3.11 or python3),
-# PG_SKIP_MATRIX=1 skips the runtime matrix in `test`.
+# PG_DIST (default dist: where `wheel` puts the wheel), PG_SKIP_MATRIX=1 skips the runtime
+# matrix in `test`, PG_SKIP_ABI3=1 the abi3 step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${PG_VENV:-$ROOT/.venv}
+DIST=${PG_DIST:-dist}
 PY_BOOT=${PG_PYTHON:-$(command -v python3.11 || command -v python3)}
 BUILD_TORCH=2.13.0   # headers for every target come from the newest torch built against
 CUTLASS=4.2.0.0      # nvidia-cutlass wheel: CUTLASS headers for the sm_90a dense GEMM
@@ -46,18 +50,18 @@ setup() {
 wheel() {
   setup
   log "building the portable wheel (all targets from version_matrix/matrix.json)"
-  rm -rf dist
+  rm -rf "$DIST"
   local t0=$SECONDS
   mkdir -p build
   # Full log kept in build/wheel.log; configure lines and ninja's [n/total] progress shown live.
   set +e
-  "$VENV/bin/python" -m pip wheel . --no-build-isolation --no-deps -w dist -v 2>&1 \
+  "$VENV/bin/python" -m pip wheel . --no-build-isolation --no-deps -w "$DIST" -v 2>&1 \
     | tee build/wheel.log | grep --line-buffered -E "portable_gemm:|^ *\[[0-9]+/[0-9]+\]|[Ee]rror"
   local rc=${PIPESTATUS[0]}
   set -e
   if [ "$rc" != 0 ]; then tail -40 build/wheel.log; echo "wheel build failed (full log: build/wheel.log)"; exit 1; fi
-  ls dist/portable_gemm-*.whl >/dev/null
-  log "built $(ls dist/*.whl) in $((SECONDS - t0)) s"
+  ls "$DIST"/portable_gemm-*.whl >/dev/null
+  log "built $(ls "$DIST"/*.whl) in $((SECONDS - t0)) s"
   # Compiler and CMake warnings of this build (objects ninja kept from an earlier one are not
   # recompiled, so a local rebuild reports only what it compiled). CI builds from a fresh
   # clone, and there a warning fails the run: the log stays readable for real problems.
@@ -72,13 +76,13 @@ wheel() {
   # tags the wheel with the manylinux policy this machine's toolchain allows, torch's and
   # CUDA's libraries excluded.
   local raw cmd
-  raw=$(ls dist/portable_gemm-*-linux_*.whl)
+  raw=$(ls "$DIST"/portable_gemm-*-linux_*.whl)
   cmd=$("$VENV/bin/python" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["cibuildwheel"]["linux"]["repair-wheel-command"])' \
-    | sed "s|{dest_dir}|dist/repaired|; s|{wheel}|$raw|")
+    | sed "s|{dest_dir}|$DIST/repaired|; s|{wheel}|$raw|")
   (export PATH="$VENV/bin:$PATH"; eval "$cmd") > build/repair.log 2>&1 || { cat build/repair.log; exit 1; }
-  mv dist/repaired/*.whl dist/ && rm -rf dist/repaired "$raw"
-  log "auditwheel repair: $(ls dist/*.whl) ($("$VENV/bin/auditwheel" show dist/portable_gemm-*.whl 2>/dev/null | tr '\n' ' ' | grep -o 'constrains the platform tag to "[^"]*"'))"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps dist/portable_gemm-*.whl
+  mv "$DIST"/repaired/*.whl "$DIST"/ && rm -rf "$DIST/repaired" "$raw"
+  log "auditwheel repair: $(ls "$DIST"/*.whl) ($("$VENV/bin/auditwheel" show "$DIST"/portable_gemm-*.whl 2>/dev/null | tr '\n' ' ' | grep -o 'constrains the platform tag to "[^"]*"'))"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$DIST"/portable_gemm-*.whl
 }
 
 scratch_tmp() {
@@ -93,6 +97,49 @@ scratch_tmp() {
   PG_TMP=$(mktemp -d "${TMPDIR:-/tmp}/portable_gemm_run.XXXXXX")
   export TMPDIR=$PG_TMP
   trap 'rm -rf "$PG_TMP"' EXIT
+}
+
+# A working pythonX.Y: on PATH, else the newest pyenv version of that series (a pyenv shim
+# for a version that is not selected fails, hence the check). Prints nothing if none.
+find_python() {
+  local v=$1 p ver
+  p=$(command -v "python$v" 2>/dev/null || true)
+  if [ -n "$p" ] && "$p" -c "import sys; assert sys.version_info[:2] == tuple(map(int, '$v'.split('.')))" 2>/dev/null; then
+    echo "$p"; return
+  fi
+  if command -v pyenv >/dev/null 2>&1; then
+    ver=$(pyenv versions --bare 2>/dev/null | grep -E "^${v//./\\.}(\.[0-9]+)?$" | sort -V | tail -1)
+    if [ -n "$ver" ]; then PYENV_VERSION=$ver pyenv which "python$v" 2>/dev/null || true; fi
+  fi
+}
+
+# The published wheels for Python 3.12 and later are one cp312-abi3 wheel (pyproject.toml): the
+# nanobind DLPack module uses the stable Python ABI of 3.12, everything else is plain shared
+# objects. This builds that wheel with Python 3.12, as cibuildwheel does, and runs the test
+# suite with it under Python 3.13, in venvs of their own (torch from the uv cache).
+abi3() {
+  local py_build py_run run_v=${PG_ABI3_RUN_PYTHON:-3.13}
+  py_build=$(find_python 3.12)
+  py_run=$(find_python "$run_v")
+  if [ -z "$py_build" ] || [ -z "$py_run" ]; then
+    echo "abi3: needs python3.12 (to build) and python$run_v (to test), on PATH or from pyenv;" \
+         "found '${py_build}' and '${py_run}'. PG_SKIP_ABI3=1 skips this step." >&2
+    exit 1
+  fi
+  setup  # the main venv brings uv
+  local uv="$VENV/bin/uv" bvenv="$ROOT/.venv-abi3-build" rvenv="$ROOT/.venv-abi3-py${run_v//./}"
+  log "abi3: build venv with $("$py_build" --version), test venv with $("$py_run" --version)"
+  [ -x "$bvenv/bin/python" ] || "$uv" venv -q --seed --python "$py_build" "$bvenv"
+  "$uv" pip install -q --python "$bvenv/bin/python" "torch==$BUILD_TORCH"
+  PG_VENV="$bvenv" PG_PYTHON="$py_build" PG_DIST=dist-abi3 bash "$ROOT/ci/dev.sh" wheel
+  local whl
+  whl=$(ls dist-abi3/portable_gemm-*-cp312-abi3-*.whl)
+  [ -x "$rvenv/bin/python" ] || "$uv" venv -q --seed --python "$py_run" "$rvenv"
+  "$uv" pip install -q --python "$rvenv/bin/python" "torch==$BUILD_TORCH" \
+    pytest numpy hypothesis expecttest "cmake>=3.24" ninja
+  "$uv" pip install -q --python "$rvenv/bin/python" --reinstall --no-deps "$whl"
+  log "abi3: pytest under $("$rvenv/bin/python" --version) with $whl"
+  (cd tests && PG_DIST="$ROOT/dist-abi3" "$rvenv/bin/python" -m pytest -q "$@")
 }
 
 run_pytest() {
@@ -114,6 +161,7 @@ case "$cmd" in
   matrix) setup; "$VENV/bin/python" ci/matrix.py --wheel "$(ls dist/portable_gemm-*.whl)" "$@" ;;
   bench) setup; "$VENV/bin/python" bench/cpu_bench.py "$@" ;;
   sanitize) setup; PG_VENV="$VENV" bash ci/sanitize.sh "$@" ;;
+  abi3) abi3 "$@" ;;
   test)
     scratch_tmp
     wheel
@@ -127,6 +175,10 @@ case "$cmd" in
       log "runtime matrix"
       "$VENV/bin/python" ci/matrix.py --wheel "$(ls dist/portable_gemm-*.whl)"
     fi
+    if [ "${PG_SKIP_ABI3:-0}" != 1 ]; then
+      log "abi3 wheel under Python ${PG_ABI3_RUN_PYTHON:-3.13}"
+      abi3
+    fi
     ;;
-  *) sed -n '2,21p' "$0"; exit 2 ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac

@@ -2,9 +2,9 @@
 # The whole GPU session in one device call (README, "Developer commands"): install the
 # carried wheel with --no-deps into the machine's python (torch 2.11 cu130 there), then the
 # GPU test suite under the default target (2.11) and forced 2.10 and 2.9, compute-sanitizer
-# (memcheck, racecheck, initcheck) over tests/gpu/sanitize_ops.py, and optionally the GPU
-# benchmark. Logs go to $OUT (the device tool brings them back); a summary is printed last.
-#   usage: bash ci/gpu_session.sh WHEEL [tests|sanitize|bench|all]...
+# (memcheck, racecheck, initcheck) over tests/gpu/sanitize_ops.py, the README's main job
+# (`python -m portable_gemm demo`, CPU and CUDA), and optionally the GPU benchmark. Logs go to $OUT (the device tool brings them back); a summary is printed last.
+#   usage: bash ci/gpu_session.sh WHEEL [demo|tests|sanitize|bench|all]...
 #   env: PG_PYTEST_EXTRA (extra pytest args, split on spaces), PG_PYTEST_K (a -k expression,
 #        kept whole: "a or b"), PG_TARGETS (the test runs, default "default 2.10 2.9": one
 #        device call may not hold all three), PG_BENCH_ARGS (e.g. --quick), PG_GPU_PYTHON
@@ -24,6 +24,12 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 (cd /tmp && $PY -m portable_gemm info) | tee "$OUT/info.txt"
 
 want() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
+
+if want demo; then
+  (cd /tmp && timeout 120 $PY -m portable_gemm demo > "$OUT/demo.txt" 2>&1)
+  note "demo: exit $?; $(tail -1 "$OUT/demo.txt")"
+  tail -9 "$OUT/demo.txt"
+fi
 
 if want tests; then
   # AOTInductor packages built through these machines' CXX (a wrapper script around g++ 13)
