@@ -17,7 +17,8 @@
 #
 # Environment: PG_VENV (default .venv), PG_PYTHON (default python3.11 or python3),
 # PG_DIST (default dist: where `wheel` puts the wheel), PG_SKIP_MATRIX=1 skips the runtime
-# matrix in `test`, PG_SKIP_ABI3=1 the abi3 step.
+# matrix in `test`, PG_SKIP_ABI3=1 the abi3 step, PG_ABI3_RUN_PYTHON (default 3.13) the
+# Python it tests under.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -180,5 +181,5 @@ case "$cmd" in
       abi3
     fi
     ;;
-  *) sed -n '2,20p' "$0"; exit 2 ;;
+  *) sed -n '2,21p' "$0"; exit 2 ;;
 esac
