@@ -101,7 +101,8 @@ scratch_tmp() {
 }
 
 # A working pythonX.Y: on PATH, else the newest pyenv version of that series (a pyenv shim
-# for a version that is not selected fails, hence the check). Prints nothing if none.
+# for a version that is not selected fails, hence the check), else one that uv manages (it
+# downloads one where it reaches its download host). Prints nothing if none.
 find_python() {
   local v=$1 p ver
   p=$(command -v "python$v" 2>/dev/null || true)
@@ -110,7 +111,10 @@ find_python() {
   fi
   if command -v pyenv >/dev/null 2>&1; then
     ver=$(pyenv versions --bare 2>/dev/null | grep -E "^${v//./\\.}(\.[0-9]+)?$" | sort -V | tail -1)
-    if [ -n "$ver" ]; then PYENV_VERSION=$ver pyenv which "python$v" 2>/dev/null || true; fi
+    if [ -n "$ver" ] && PYENV_VERSION=$ver pyenv which "python$v" 2>/dev/null; then return; fi
+  fi
+  if [ -x "$VENV/bin/uv" ] && "$VENV/bin/uv" python install -q "$v" >/dev/null 2>&1; then
+    "$VENV/bin/uv" python find --managed-python "$v" 2>/dev/null || true
   fi
 }
 
@@ -119,16 +123,16 @@ find_python() {
 # objects. This builds that wheel with Python 3.12, as cibuildwheel does, and runs the test
 # suite with it under Python 3.13, in venvs of their own (torch from the uv cache).
 abi3() {
-  local py_build py_run run_v=${PG_ABI3_RUN_PYTHON:-3.13}
+  setup  # the main venv brings uv
+  local py_build py_run run_v=${PG_ABI3_RUN_PYTHON:-3.13} uv="$VENV/bin/uv"
   py_build=$(find_python 3.12)
   py_run=$(find_python "$run_v")
   if [ -z "$py_build" ] || [ -z "$py_run" ]; then
-    echo "abi3: needs python3.12 (to build) and python$run_v (to test), on PATH or from pyenv;" \
-         "found '${py_build}' and '${py_run}'. PG_SKIP_ABI3=1 skips this step." >&2
+    echo "abi3: needs python3.12 (to build) and python$run_v (to test), on PATH, from pyenv or" \
+         "from uv; found '${py_build}' and '${py_run}'. PG_SKIP_ABI3=1 skips this step." >&2
     exit 1
   fi
-  setup  # the main venv brings uv
-  local uv="$VENV/bin/uv" bvenv="$ROOT/.venv-abi3-build" rvenv="$ROOT/.venv-abi3-py${run_v//./}"
+  local bvenv="$ROOT/.venv-abi3-build" rvenv="$ROOT/.venv-abi3-py${run_v//./}"
   log "abi3: build venv with $("$py_build" --version), test venv with $("$py_run" --version)"
   [ -x "$bvenv/bin/python" ] || "$uv" venv -q --seed --python "$py_build" "$bvenv"
   "$uv" pip install -q --python "$bvenv/bin/python" "torch==$BUILD_TORCH"
