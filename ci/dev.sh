@@ -166,7 +166,7 @@ case "$cmd" in
   matrix) setup; "$VENV/bin/python" ci/matrix.py --wheel "$(ls dist/portable_gemm-*.whl)" "$@" ;;
   bench) setup; "$VENV/bin/python" bench/cpu_bench.py "$@" ;;
   sanitize) setup; PG_VENV="$VENV" bash ci/sanitize.sh "$@" ;;
-  abi3) abi3 "$@" ;;
+  abi3) scratch_tmp; abi3 "$@" ;;
   test)
     scratch_tmp
     wheel
