@@ -140,12 +140,13 @@ def strided_variants(t: torch.Tensor):
 
 
 def run_python(code: str, env: dict | None = None, timeout: int = 300,
-               unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+               unset: tuple[str, ...] = (), args: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run code in a fresh interpreter (loader decisions happen at import time), with env
-    added to this process's environment and the variables in unset removed from it."""
+    added to this process's environment and the variables in unset removed from it. With
+    args, the interpreter runs those arguments instead of `-c code` (e.g. ["-m", "pkg"])."""
     full_env = dict(os.environ)
     for name in ("PORTABLE_GEMM_TARGET", *unset):
         full_env.pop(name, None)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=full_env, timeout=timeout)
+    return subprocess.run([sys.executable, *(args if args is not None else ["-c", code])],
+                          capture_output=True, text=True, env=full_env, timeout=timeout)

@@ -4,8 +4,6 @@ Also the loader's refusals: a target newer than torch, an unknown target, torch 
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -189,9 +187,7 @@ DEMO_ROWS = ("gemm float32 +bias gelu", "gemm float16 +bias gelu", "gemm bfloat1
 def test_demo_cli_runs_every_op_and_says_what_it_chose(device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    proc = subprocess.run([sys.executable, "-m", "portable_gemm", "demo", "--device", device],
-                          capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "PORTABLE_GEMM_TARGET"})
+    proc = run_python("", args=["-m", "portable_gemm", "demo", "--device", device])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     # what it chose and why: the loaded target with its reason, every other candidate's
