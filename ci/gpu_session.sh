@@ -3,7 +3,8 @@
 # carried wheel with --no-deps into the machine's python (torch 2.11 cu130 there), then the
 # GPU test suite under the default target (2.11) and forced 2.10 and 2.9, compute-sanitizer
 # (memcheck, racecheck, initcheck) over tests/gpu/sanitize_ops.py, the README's main job
-# (`python -m portable_gemm demo`, CPU and CUDA), and optionally the GPU benchmark. Logs go to $OUT (the device tool brings them back); a summary is printed last.
+# (`python -m portable_gemm demo`, CPU and CUDA), and optionally the GPU benchmark. Logs go
+# to $OUT (the device tool brings them back); a summary is printed last.
 #   usage: bash ci/gpu_session.sh WHEEL [demo|tests|sanitize|bench|all]...
 #   env: PG_PYTEST_EXTRA (extra pytest args, split on spaces), PG_PYTEST_K (a -k expression,
 #        kept whole: "a or b"), PG_TARGETS (the test runs, default "default 2.10 2.9": one
