@@ -38,7 +38,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 import torch
-from conftest import TOL, act_ref, assert_close, dequant_ref
+from conftest import DEVICES, TOL, act_ref, assert_close, dequant_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -918,19 +918,34 @@ def test_nan_inf_propagate_mixed_linear(activation, alarm):
     _same_ieee_class(out, ref, BF16, f"mixed_linear {activation}")
 
 
-def test_nan_inf_quantize_weight(alarm):
-    """A NaN weight has no integer: it quantises to 0 and does not poison its group's scale;
-    an Inf weight makes the scale Inf (every finite weight of the group rounds to 0)."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_inf_quantize_weight(device, alarm):
+    """Non-finite weights are not hidden: a NaN makes its group's scale NaN and an Inf makes
+    it Inf (as w.abs().amax() / qmax would), the group's q are 0 (no integer for NaN / NaN,
+    Inf / Inf, or finite / Inf), so the outputs it reaches are NaN; other groups are untouched."""
     w = torch.randn(4, 64)
     w[0, 3] = NAN
     w[1, 40] = INF
+    w[2, 50] = -INF
+    w = w.to(device)
     q, s = pg.quantize_weight(w, bits=8, group_size=32)
-    assert q[0, 3] == 0
-    assert torch.isfinite(s[0]).all() and s[0, 0] == (w[0, :32].nan_to_num(0).abs().max() / 127).float()
-    assert torch.isinf(s[1, 1]) and (q[1, 32:64] == 0).all()
-    assert torch.isfinite(s[2:]).all()
+    q, s = q.cpu(), s.cpu()
+    assert torch.isnan(s[0, 0]) and (q[0, :32] == 0).all(), (s[0], q[0, :32])
+    assert torch.isinf(s[1, 1]) and (q[1, 32:] == 0).all() and torch.isinf(s[2, 1]) and (q[2, 32:] == 0).all()
+    finite = torch.ones_like(s, dtype=torch.bool)
+    finite[0, 0] = finite[1, 1] = finite[2, 1] = False
+    assert torch.isfinite(s[finite]).all()
+    ref_q, ref_s = q.clone(), s.clone()
+    clean = w.cpu().clone()
+    clean[0, :32], clean[1, 32:], clean[2, 32:] = 0, 0, 0
+    cq, cs = pg.quantize_weight(clean, bits=8, group_size=32)
+    assert torch.equal(ref_q, cq.to(ref_q.dtype)) and torch.equal(ref_s[finite], cs[finite])
+    y = pg.mixed_linear(torch.randn(3, 64, device=device), q.to(device), s.to(device), bits=8, group_size=32)
+    assert torch.isnan(y[:, :3]).all() and torch.isfinite(y[:, 3]).all(), y
     q4, s4 = pg.quantize_weight(w.to(F16), bits=4)
-    assert q4.shape == (4, 32) and torch.isinf(s4[1])
+    q4, s4 = q4.cpu(), s4.cpu()
+    assert q4.shape == (4, 32) and torch.isnan(s4[0]) and torch.isinf(s4[1]) and torch.isinf(s4[2])
+    assert (q4[:3] == 0).all() and torch.isfinite(s4[3])
 
 
 # ---- counts (last: the closing note needs them) ----------------------------------------

@@ -5,6 +5,7 @@
 // that is exactly q * stored_scale comes back exactly, and quantize(dequant(q)) == q.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "cpu/common.h"
 
@@ -38,8 +39,15 @@ void quantize_rows_impl(const QuantJob& job, int64_t begin, int64_t end) {
     // Pass 1, per group: the scale, then q in place of the weights (as floats).
     for (int64_t g = 0; g < job.groups; ++g) {
       float* v = row + g * job.group_len;
+      // A NaN weight makes the group's scale NaN (as w.abs().amax() would): a damaged
+      // checkpoint shows in every output it reaches instead of passing as a zero weight.
       float absmax = 0.f;
-      for (int64_t i = 0; i < job.group_len; ++i) absmax = std::max(absmax, std::fabs(v[i]));
+      bool nan = false;
+      for (int64_t i = 0; i < job.group_len; ++i) {
+        absmax = std::max(absmax, std::fabs(v[i]));
+        nan |= v[i] != v[i];
+      }
+      if (nan) absmax = std::numeric_limits<float>::quiet_NaN();
       // Round the scale to its storage type first: q must be computed against the value
       // a reader will multiply by.
       const int64_t scale_index = a.group_size > 0 ? n * job.groups + g : n;
@@ -61,7 +69,7 @@ void quantize_rows_impl(const QuantJob& job, int64_t begin, int64_t end) {
         v[i] = (r + 12582912.f) - 12582912.f;  // NaN stays NaN
       }
     }
-    // Pass 2: store; a NaN weight has no defined integer and becomes 0.
+    // Pass 2: store; a NaN quotient (a NaN group's, or Inf / Inf) has no integer: 0.
     if (a.bits == 8) {
       int8_t* dst = static_cast<int8_t*>(a.qweight) + n * K;
       for (int64_t k = 0; k < K; ++k) dst[k] = row[k] == row[k] ? static_cast<int8_t>(row[k]) : 0;

@@ -1,7 +1,7 @@
 // cuda::quantize: symmetric per-channel / group-wise int8 or int4 quantisation of an N x K
 // weight (f32 / f16 / bf16, arbitrary strides). Two kernels on the same stream:
-//   1. scales: one warp per (row, group): absmax in fp32, scale = absmax / qmax rounded to
-//      scales_dtype and stored;
+//   1. scales: one warp per (row, group): absmax in fp32 (NaN if any weight is), scale =
+//      absmax / qmax rounded to scales_dtype and stored;
 //   2. values: one thread per output byte, reading back the stored (rounded) scale, so that
 //      q = rint(w / stored_scale) uses exactly the scale a consumer will multiply by. An
 //      int4 byte may straddle two groups (odd group sizes), which this split handles for free.
@@ -36,13 +36,20 @@ __global__ void __launch_bounds__(QZ_THREADS) quantize_scales_kernel(QuantizePar
        gi < total; gi += static_cast<int64_t>(gridDim.x) * warps_per_block) {
     const int64_t n = gi / p.ngroups, g = gi - n * p.ngroups;
     const int64_t kbeg = g * p.gs, kend = kbeg + p.gs;
+    // fmaxf drops NaNs; a NaN weight makes the group's scale NaN instead (as the CPU kernel
+    // and w.abs().amax() do), so a damaged weight shows in the outputs it reaches.
     float amax = 0.f;
-    for (int64_t k = kbeg + lane; k < kend; k += 32)
-      amax = fmaxf(amax, fabsf(load_f32(p.w, p.w_dt, n * p.w_rs + k * p.w_cs)));
+    bool nan = false;
+    for (int64_t k = kbeg + lane; k < kend; k += 32) {
+      const float a = fabsf(load_f32(p.w, p.w_dt, n * p.w_rs + k * p.w_cs));
+      amax = fmaxf(amax, a);
+      nan |= a != a;
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    if (lane == 0) store_f32(p.scales, p.s_dt, gi, amax / qmax);  // [N, ngroups] contiguous
+    nan = __any_sync(0xffffffffu, nan);
+    if (lane == 0) store_f32(p.scales, p.s_dt, gi, nan ? __int_as_float(0x7fc00000) : amax / qmax);
   }
 }
 
@@ -50,6 +57,7 @@ __device__ __forceinline__ int quantize_one(float v, float s, int bits) {
   if (s == 0.f) return 0;  // zero group (or a scale that rounded to 0 in scales_dtype)
   const float qmax = static_cast<float>((1 << (bits - 1)) - 1);
   const float r = rintf(v / s);  // true division: exact multiples of s round-trip exactly
+  if (r != r) return 0;           // a NaN group's scale, or Inf / Inf: no integer (as on the CPU)
   return static_cast<int>(fminf(fmaxf(r, -qmax - 1.f), qmax));
 }
 
