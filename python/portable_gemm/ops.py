@@ -135,6 +135,18 @@ def _group_code(group_size: int | None) -> int:
     return group
 
 
+def _bits_code(bits) -> int:
+    """4 or 8 as an int (anything operator.index takes); a bool or a non-integer is refused
+    here (the op's int argument would take True as 1). Other integers go on to the op's check."""
+    try:
+        value = operator.index(bits)
+    except TypeError:
+        value = None
+    if isinstance(bits, bool) or value is None:
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    return value
+
+
 _Tensor = torch.Tensor
 
 
@@ -169,13 +181,16 @@ def quantize_weight(weight: torch.Tensor, *, bits: int,
     bits=8 gives int8 [N, K]; bits=4 gives uint8 [N, K/2], two signed nibbles per byte (low
     nibble = even k). scale = absmax / (2^(bits-1) - 1) per output channel (group_size=None,
     scales [N]) or per group of group_size along K (scales [N, K/group_size]), in weight's dtype.
+    q = round-half-even(w / stored scale), clamped; an all-zero group gets scale 0 and q 0.
+    Non-finite weights are not hidden: a NaN makes its group's scale NaN, an Inf makes it Inf,
+    and that group's q are 0 (so every output the group reaches is NaN).
 
     Not differentiable: neither output ever requires grad, even when weight does (the op's
     autograd key falls through).
     """
     if not isinstance(weight, _Tensor):
         _raise_not_a_tensor("quantize_weight", weight=weight)
-    group = _group_code(group_size)
+    bits, group = _bits_code(bits), _group_code(group_size)
     if _FOLLOW_THREADS is not None:
         _FOLLOW_THREADS()
     return _ops().quantize_weight(weight, bits, group)
@@ -190,7 +205,7 @@ def mixed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
     if not (isinstance(x, _Tensor) and isinstance(qweight, _Tensor) and isinstance(scales, _Tensor)
             and (bias is None or isinstance(bias, _Tensor))):
         _raise_not_a_tensor("mixed_linear", x=x, qweight=qweight, scales=scales, bias=bias)
-    group, act = _group_code(group_size), _activation_code(activation)
+    bits, group, act = _bits_code(bits), _group_code(group_size), _activation_code(activation)
     if _FOLLOW_THREADS is not None:
         _FOLLOW_THREADS()
     if _needs_autograd(x, bias, scales):
@@ -209,7 +224,7 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
     op = "portable_gemm.dequantize_weight"
     if not (isinstance(qweight, _Tensor) and isinstance(scales, _Tensor)):
         _raise_not_a_tensor("dequantize_weight", qweight=qweight, scales=scales)
-    group = _group_code(group_size)
+    bits, group = _bits_code(bits), _group_code(group_size)
     _check_qweight(qweight, bits, op)
     n, k = qweight.shape[0], qweight.shape[1] * (1 if bits == 8 else 2)
     _check_scales(scales, n, k, group, op)
@@ -286,12 +301,21 @@ def _check_scales(scales, n, k, group_size, op):
     want = (n, k // group_size) if group_size else (n,)
     torch._check(tuple(scales.shape) == want, lambda: f"{op}: scales must have shape "
                  + (f"[N, K / group_size] = [{n}, {k // group_size}]" if group_size else f"[N] = [{n}]")
-                 + f" for group_size={group_size}")
+                 + f" for group_size={group_size or 'None (per channel)'}" + _scales_hint(scales, n, k))
+
+
+def _scales_hint(scales, n, k) -> str:
+    """Which group_size scales of this shape come from, where that can be read off them."""
+    if scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] > 0 and k % scales.shape[1] == 0:
+        return f"; scales of shape [{n}, {scales.shape[1]}] come from group_size={k // scales.shape[1]}"
+    if scales.dim() == 1 and scales.shape[0] == n:
+        return "; scales of shape [N] come from group_size=None"
+    return ""
 
 
 def _check_gemm(a, b, bias, activation):
     op = "portable_gemm.gemm"
-    torch._check(a.dim() >= 1, lambda: f"{op}: a must have shape [..., M, K], got a 0-dim tensor")
+    torch._check(a.dim() >= 1, lambda: f"{op}: a must have shape [..., K], got a 0-dim tensor")
     torch._check(b.dim() == 2, lambda: f"{op}: b must have shape [K, N], got {b.dim()} dims")
     _check_float(a, op, "a")
     torch._check(b.dtype == a.dtype, lambda: f"{op}: b has dtype {_dtype_name(b)} but a has {_dtype_name(a)}; "

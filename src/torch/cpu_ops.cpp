@@ -11,7 +11,7 @@ namespace {
 struct CpuBackend {
   static constexpr const char* dispatch_key = "CPU";
   static void check_device(const Tensor& t, const char* op) {
-    STD_TORCH_CHECK(t.is_cpu(), op, ": the CPU kernel got a non-CPU tensor");
+    PG_CHECK(t.is_cpu(), op, ": the CPU kernel got a non-CPU tensor");
   }
   // gemm's and mixed_linear's outputs are new (add_epilogue_and_output) and written in
   // full: large ones are offered huge pages before their first touch

@@ -15,7 +15,7 @@ namespace {
 struct CudaBackend {
   static constexpr const char* dispatch_key = "CUDA";
   static void check_device(const Tensor& t, const char* op) {
-    STD_TORCH_CHECK(t.is_cuda(), op, ": the CUDA kernel got a non-CUDA tensor");
+    PG_CHECK(t.is_cuda(), op, ": the CUDA kernel got a non-CUDA tensor");
   }
   template <class Args, class Launch>
   static void launch(const Args& args, const Tensor& like, Launch fn) {

@@ -7,12 +7,13 @@
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
-#include <torch/headeronly/util/Exception.h>
 
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -22,6 +23,21 @@
 #include "compat/tensor_access.h"
 
 namespace portable_gemm::binding {
+
+// A bad input: throws std::runtime_error (torch raises it as RuntimeError) whose message is
+// the parts streamed together, "portable_gemm.gemm: a must be ...". STD_TORCH_CHECK throws
+// the same type but puts the C++ function, file and line first ("check_float,
+// src/torch/ops_common.h:58, ..."), which tells the user nothing they can change.
+template <typename... Parts>
+[[noreturn]] inline void fail(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  throw std::runtime_error(os.str());
+}
+#define PG_CHECK(cond, ...)                                   \
+  do {                                                        \
+    if (!(cond)) ::portable_gemm::binding::fail(__VA_ARGS__); \
+  } while (0)
 
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
@@ -55,8 +71,8 @@ inline DType kernel_dtype(ScalarType t) {
 }
 
 inline void check_float(const Tensor& t, const char* op, const char* name) {
-  STD_TORCH_CHECK(is_float_dtype(t.scalar_type()), op, ": ", name,
-                  " must be float32, float16 or bfloat16, got ", dtype_name(t.scalar_type()));
+  PG_CHECK(is_float_dtype(t.scalar_type()), op, ": ", name,
+           " must be float32, float16 or bfloat16, got ", dtype_name(t.scalar_type()));
 }
 
 inline void check_same_device(const Tensor& ref, const Tensor& t, const char* op,
@@ -67,14 +83,14 @@ inline void check_same_device(const Tensor& ref, const Tensor& t, const char* op
     auto where = [](const Tensor& x) {
       return x.is_cuda() ? "cuda:" + std::to_string(x.get_device_index()) : std::string("cpu");
     };
-    STD_TORCH_CHECK(false, op, ": ", name, " is on ", where(t), " but ", ref_name, " is on ",
-                    where(ref), "; move all inputs to one device");
+    fail(op, ": ", name, " is on ", where(t), " but ", ref_name, " is on ", where(ref),
+         "; move all inputs to one device");
   }
 }
 
 inline Activation to_activation(int64_t a, const char* op) {
-  STD_TORCH_CHECK(a >= 0 && a <= 3, op, ": activation code ", a,
-                  " is unknown (0 none, 1 relu, 2 silu, 3 gelu)");
+  PG_CHECK(a >= 0 && a <= 3, op, ": activation code ", a,
+           " is unknown (0 none, 1 relu, 2 silu, 3 gelu)");
   return static_cast<Activation>(a);
 }
 
@@ -126,7 +142,7 @@ inline ConstMatrix rows_view(const Tensor& t, std::optional<Tensor>& keep) {
 }
 
 inline void throw_if_error(const Status& s, const char* op) {
-  STD_TORCH_CHECK(s.ok(), op, ": ", s.message ? s.message : "kernel failed");
+  PG_CHECK(s.ok(), op, ": ", s.message ? s.message : "kernel failed");
 }
 
 inline std::vector<int64_t> leading_sizes(const Tensor& t) {
@@ -140,10 +156,10 @@ inline void check_bias(const std::optional<Tensor>& bias, const Tensor& input, i
                        const char* op, const char* input_name) {
   if (!bias) return;
   check_same_device(input, *bias, op, input_name, "bias");
-  STD_TORCH_CHECK(bias->scalar_type() == input.scalar_type(), op, ": bias has dtype ",
-                  dtype_name(bias->scalar_type()), " but ", input_name, " has ",
-                  dtype_name(input.scalar_type()));
-  STD_TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [N] = [", N, "]");
+  PG_CHECK(bias->scalar_type() == input.scalar_type(), op, ": bias has dtype ",
+           dtype_name(bias->scalar_type()), " but ", input_name, " has ",
+           dtype_name(input.scalar_type()));
+  PG_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [N] = [", N, "]");
 }
 
 // The part gemm and mixed_linear share: bias + activation epilogue, and the [..., N]
@@ -167,16 +183,16 @@ Tensor add_epilogue_and_output(Args& args, Matrix Args::*out_field, int64_t rows
 template <class Backend>
 Tensor gemm(Tensor a, Tensor b, std::optional<Tensor> bias, int64_t activation) {
   constexpr const char* op = "portable_gemm.gemm";
-  STD_TORCH_CHECK(a.dim() >= 1, op, ": a must have shape [..., M, K], got a 0-dim tensor");
-  STD_TORCH_CHECK(b.dim() == 2, op, ": b must have shape [K, N], got ", b.dim(), " dims");
+  PG_CHECK(a.dim() >= 1, op, ": a must have shape [..., K], got a 0-dim tensor");
+  PG_CHECK(b.dim() == 2, op, ": b must have shape [K, N], got ", b.dim(), " dims");
   check_float(a, op, "a");
-  STD_TORCH_CHECK(b.scalar_type() == a.scalar_type(), op, ": b has dtype ",
-                  dtype_name(b.scalar_type()), " but a has ", dtype_name(a.scalar_type()),
-                  "; cast both to one dtype");
+  PG_CHECK(b.scalar_type() == a.scalar_type(), op, ": b has dtype ",
+           dtype_name(b.scalar_type()), " but a has ", dtype_name(a.scalar_type()),
+           "; cast both to one dtype");
   check_same_device(a, b, op, "a", "b");
   const int64_t K = a.size(a.dim() - 1), N = b.size(1);
-  STD_TORCH_CHECK(b.size(0) == K, op, ": a has K = ", K, " columns but b has ", b.size(0),
-                  " rows; b must be [K, N]");
+  PG_CHECK(b.size(0) == K, op, ": a has K = ", K, " columns but b has ", b.size(0),
+           " rows; b must be [K, N]");
   check_bias(bias, a, N, op, "a");
   Backend::check_device(a, op);
 
@@ -191,23 +207,23 @@ Tensor gemm(Tensor a, Tensor b, std::optional<Tensor> bias, int64_t activation) 
 }
 
 inline int64_t checked_group_size(int64_t group_size, int64_t K, const char* op) {
-  STD_TORCH_CHECK(group_size >= 0, op, ": group_size must be None (per channel) or positive, got ",
-                  group_size);
+  PG_CHECK(group_size >= 0, op, ": group_size must be None (per channel) or positive, got ",
+           group_size);
   if (group_size > 0)
-    STD_TORCH_CHECK(K % group_size == 0, op, ": group_size ", group_size, " must divide K = ", K);
+    PG_CHECK(K % group_size == 0, op, ": group_size ", group_size, " must divide K = ", K);
   return group_size;
 }
 
 template <class Backend>
 std::tuple<Tensor, Tensor> quantize_weight(Tensor weight, int64_t bits, int64_t group_size) {
   constexpr const char* op = "portable_gemm.quantize_weight";
-  STD_TORCH_CHECK(weight.dim() == 2, op, ": weight must have shape [N, K] like nn.Linear.weight, got ",
-                  weight.dim(), " dims");
+  PG_CHECK(weight.dim() == 2, op, ": weight must have shape [N, K] like nn.Linear.weight, got ",
+           weight.dim(), " dims");
   check_float(weight, op, "weight");
-  STD_TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  PG_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
   const int64_t N = weight.size(0), K = weight.size(1);
   checked_group_size(group_size, K, op);
-  if (bits == 4) STD_TORCH_CHECK(K % 2 == 0, op, ": int4 packs two values per byte, so K (", K, ") must be even");
+  if (bits == 4) PG_CHECK(K % 2 == 0, op, ": int4 packs two values per byte, so K (", K, ") must be even");
   Backend::check_device(weight, op);
 
   QuantizeArgs args;
@@ -232,31 +248,41 @@ template <class Backend>
 Tensor mixed_linear(Tensor x, Tensor qweight, Tensor scales, int64_t bits, int64_t group_size,
                     std::optional<Tensor> bias, int64_t activation) {
   constexpr const char* op = "portable_gemm.mixed_linear";
-  STD_TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dim tensor");
+  PG_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dim tensor");
   check_float(x, op, "x");
-  STD_TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
-  STD_TORCH_CHECK(qweight.dim() == 2, op, ": qweight must be 2-D [N, K] (int8) or [N, K/2] (int4), got ",
-                  qweight.dim(), " dims");
+  PG_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  PG_CHECK(qweight.dim() == 2, op, ": qweight must be 2-D [N, K] (int8) or [N, K/2] (int4), got ",
+           qweight.dim(), " dims");
   const ScalarType qtype = bits == 8 ? ScalarType::Char : ScalarType::Byte;
-  STD_TORCH_CHECK(qweight.scalar_type() == qtype, op, ": bits=", bits, " needs qweight of dtype ",
-                  dtype_name(qtype), ", got ", dtype_name(qweight.scalar_type()),
-                  " (use quantize_weight)");
+  PG_CHECK(qweight.scalar_type() == qtype, op, ": bits=", bits, " needs qweight of dtype ",
+           dtype_name(qtype), ", got ", dtype_name(qweight.scalar_type()),
+           " (use quantize_weight)");
   const int64_t K = x.size(x.dim() - 1), N = qweight.size(0);
   const int64_t packed_k = bits == 8 ? K : K / 2;
-  STD_TORCH_CHECK(bits == 8 || K % 2 == 0, op, ": int4 needs an even K, got K = ", K);
-  STD_TORCH_CHECK(qweight.size(1) == packed_k, op, ": qweight has shape [", N, ", ", qweight.size(1),
-                  "] but x has K = ", K, ", so it must be [N, ", packed_k, "]",
-                  bits == 4 ? " (int4: two values per byte)" : "");
+  PG_CHECK(bits == 8 || K % 2 == 0, op, ": int4 needs an even K, got K = ", K);
+  PG_CHECK(qweight.size(1) == packed_k, op, ": qweight has shape [", N, ", ", qweight.size(1),
+           "] but x has K = ", K, ", so it must be [N, ", packed_k, "]",
+           bits == 4 ? " (int4: two values per byte)" : "");
   checked_group_size(group_size, K, op);
   check_float(scales, op, "scales");
   const std::vector<int64_t> want = group_size ? std::vector<int64_t>{N, K / group_size}
                                                : std::vector<int64_t>{N};
   const std::vector<int64_t> got(scales.sizes().begin(), scales.sizes().end());
-  STD_TORCH_CHECK(got == want, op, ": scales must have shape ",
-                  group_size ? "[N, K / group_size] = [" + std::to_string(N) + ", " +
-                                   std::to_string(group_size ? K / group_size : 0) + "]"
-                             : "[N] = [" + std::to_string(N) + "]",
-                  " for group_size=", group_size);
+  if (got != want) {
+    // Which group_size scales of this shape come from, where that can be read off them.
+    std::string hint;
+    if (got.size() == 2 && got[0] == N && got[1] > 0 && K % got[1] == 0)
+      hint = "; scales of shape [" + std::to_string(N) + ", " + std::to_string(got[1]) +
+             "] come from group_size=" + std::to_string(K / got[1]);
+    else if (got.size() == 1 && got[0] == N)
+      hint = "; scales of shape [N] come from group_size=None";
+    fail(op, ": scales must have shape ",
+         group_size ? "[N, K / group_size] = [" + std::to_string(N) + ", " +
+                          std::to_string(K / group_size) + "]"
+                    : "[N] = [" + std::to_string(N) + "]",
+         " for group_size=", group_size ? std::to_string(group_size) : std::string("None (per channel)"),
+         hint);
+  }
   check_same_device(x, qweight, op, "x", "qweight");
   check_same_device(x, scales, op, "x", "scales");
   check_bias(bias, x, N, op, "x");
