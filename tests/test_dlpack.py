@@ -18,6 +18,19 @@ def test_import_does_not_import_torch():
     assert proc.stdout.strip() == "False"
 
 
+def test_import_warns_about_ignored_settings():
+    # The door reads PORTABLE_GEMM_ISA and PORTABLE_GEMM_NUM_THREADS itself: an ignored value
+    # is warned about at its import too, attributed to the importing line.
+    proc = run_python("import warnings; warnings.simplefilter('always')\n"
+                      "import sys, portable_gemm.dlpack as d\n"
+                      "print('torch' in sys.modules)",
+                      env={"PORTABLE_GEMM_ISA": "sse9", "PORTABLE_GEMM_NUM_THREADS": "many"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "RuntimeWarning: portable_gemm:" in ln]
+    assert len(lines) == 2 and all(ln.startswith("<string>:2: ") for ln in lines), proc.stderr[-2000:]
+    assert "PORTABLE_GEMM_ISA='sse9'" in lines[0] and "PORTABLE_GEMM_NUM_THREADS='many'" in lines[1]
+
+
 def bf16_bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16)
 

@@ -447,3 +447,44 @@ def test_installed_manifest_records_its_source():
     from portable_gemm._info import format_info, source_commit
 
     assert f"source       {source_commit(manifest)}" in format_info(pg.info()).splitlines()
+
+
+# ---- the PORTABLE_GEMM_* settings (portable_gemm._env: pure, no binaries) ------------------
+
+@pytest.mark.parametrize("env, target, expect", [
+    ({}, "2.9", []),
+    ({}, None, []),
+    ({"PORTABLE_GEMM_ISA": "avx2", "PORTABLE_GEMM_NUM_THREADS": " +4", "PORTABLE_GEMM_HUGE_PAGES": "1"}, "2.9", []),
+    ({"PORTABLE_GEMM_ISA": "", "PORTABLE_GEMM_NUM_THREADS": "", "PORTABLE_GEMM_POOL": ""}, "2.13", []),
+    ({"PORTABLE_GEMM_ISA": "sse"}, None, ["PORTABLE_GEMM_ISA='sse' is not one of"]),
+    ({"PORTABLE_GEMM_NUM_THREADS": "4x"}, "2.9", ["PORTABLE_GEMM_NUM_THREADS='4x' is not a whole number >= 1"]),
+    ({"PORTABLE_GEMM_NUM_THREADS": "-3"}, None, ["PORTABLE_GEMM_NUM_THREADS='-3' is not a whole number >= 1"]),
+    ({"PORTABLE_GEMM_NUM_THREADS": "8"}, None, []),  # the DLPack door's own pool reads it
+    ({"PORTABLE_GEMM_NUM_THREADS": "8"}, "2.11", ["sizes the library's own pool, which target 2.11's torch ops"]),
+    ({"PORTABLE_GEMM_POOL": "own"}, "2.9", []),
+    ({"PORTABLE_GEMM_POOL": "openmp"}, "2.12", ["PORTABLE_GEMM_POOL='openmp' applies to target 2.9 only"]),
+    ({"PORTABLE_GEMM_POOL": "x"}, "2.9", ["PORTABLE_GEMM_POOL='x' is neither 'own' nor 'openmp'"]),
+    ({"PORTABLE_GEMM_POOL": "x"}, None, []),  # the door has no torch ops to put on a pool
+    ({"PORTABLE_GEMM_HUGE_PAGES": "no"}, "2.10", ["PORTABLE_GEMM_HUGE_PAGES='no' is neither '0' (off) nor '1'"]),
+    ({"PORTABLE_GEMM_ISA": "x", "PORTABLE_GEMM_POOL": "own", "PORTABLE_GEMM_NUM_THREADS": "0"}, "2.10",
+     ["PORTABLE_GEMM_ISA='x'", "PORTABLE_GEMM_NUM_THREADS='0' is not", "PORTABLE_GEMM_POOL='own' applies"]),
+])
+def test_env_problems(env, target, expect):
+    from portable_gemm import _env
+
+    got = _env.problems(env, cpu_isa="avx512", target=target, threading="t", threading_why="w")
+    assert len(got) == len(expect) and all(e in g for e, g in zip(expect, got)), got
+
+
+@pytest.mark.parametrize("value, threads", [("4", 4), (" +4", 4), ("1", 1), ("0", None), ("-1", None),
+                                            ("4x", None), ("", None), (None, None), ("2.5", None)])
+def test_pool_threads_rule(value, threads):
+    from portable_gemm import _env
+
+    assert _env.pool_threads(value) == threads
+
+
+def test_quantized_linear_in_float64_is_refused_clearly():
+    m = pg.nn.QuantizedLinear(64, 8, bits=8, group_size=None).double()
+    with pytest.raises(TypeError, match=r"scales are torch.float64 .* convert the module with .float\(\)"):
+        m(torch.randn(2, 64, dtype=torch.float64))

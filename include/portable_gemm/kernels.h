@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #if defined(_WIN32)
 #define PG_API __declspec(dllexport)
@@ -69,6 +70,16 @@ struct Executor {
 // portable_gemm_set_pool_threads, else the hardware concurrency). Safe across fork() (the
 // child re-creates its pool lazily) and at interpreter shutdown.
 PG_API const Executor& builtin_executor();
+
+// PORTABLE_GEMM_NUM_THREADS as every part of the library reads it: a whole number >= 1
+// (leading blanks and a '+' allowed, nothing after the digits), else 0: unset, empty or
+// malformed values are ignored (the Python loader warns about malformed ones).
+inline long env_pool_threads(const char* value) {
+  if (value == nullptr) return 0;
+  char* end = nullptr;
+  const long v = std::strtol(value, &end, 10);
+  return end != value && *end == '\0' && v >= 1 ? v : 0;
+}
 
 // ---- dense GEMM -------------------------------------------------------------------
 // c = act(a @ b + bias). a: M x K, b: K x N, c: M x N; a, b, c and bias share one dtype

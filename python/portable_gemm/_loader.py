@@ -13,12 +13,12 @@ import hashlib
 import json
 import os
 import struct
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from . import _env
 from ._namespace import NAMESPACE
 from ._variant import Candidate, Selection, select_variant
 
@@ -41,11 +41,6 @@ class LoadState:
     cuda_reason: str = ""
     candidates: list[Candidate] = field(default_factory=list)
     cpu_binding: object = None  # the loaded CPU _Binding: info() asks it for the threading now
-
-
-# The values of PORTABLE_GEMM_ISA the kernel library reads (cpu::isa_request, gemm.cpp); each
-# lowers the CPU units used, for testing. Anything else, or an empty value, is ignored there.
-CPU_ISA_NAMES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
 
 
 def read_manifest(lib_dir: Path = LIB_DIR) -> dict:
@@ -217,8 +212,7 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
         raise ImportError(f"portable_gemm: no binding could be loaded for torch {torch.__version__}; "
                           f"{REINSTALL}\ncandidates:\n{lines}")
     if fell_back:
-        warnings.warn(f"portable_gemm: {fallback}; loaded target {state.target} instead ({REINSTALL})",
-                      RuntimeWarning, stacklevel=2)
+        _env.warn_all([f"{fallback}; loaded target {state.target} instead ({REINSTALL})"])
 
     state.libraries["kernels"] = str(kernels)
     state.libraries["cpu"] = str(binding.path)
@@ -228,16 +222,9 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     state.features = {**target_features, "threading": binding.info.get("threading"),
                       "threading_why": binding.info.get("threading_why"),
                       "cpu_isa": binding.info.get("cpu_isa")}
-    pool = os.environ.get("PORTABLE_GEMM_POOL", "")
-    if pool not in ("", "own", "openmp"):
-        warnings.warn(f"portable_gemm: PORTABLE_GEMM_POOL={pool!r} is neither 'own' nor 'openmp'; target "
-                      f"{state.target}'s CPU ops run on {state.features['threading']} "
-                      f"({state.features['threading_why']})", RuntimeWarning, stacklevel=2)
-    isa = os.environ.get("PORTABLE_GEMM_ISA", "")
-    if isa not in ("",) + CPU_ISA_NAMES:
-        warnings.warn(f"portable_gemm: PORTABLE_GEMM_ISA={isa!r} is not one of {', '.join(CPU_ISA_NAMES)}; "
-                      f"ignored, the CPU kernels run on {state.features['cpu_isa']}", RuntimeWarning,
-                      stacklevel=2)
+    _env.warn_all(_env.problems(os.environ, cpu_isa=state.features["cpu_isa"], target=state.target,
+                                threading=state.features["threading"],
+                                threading_why=state.features["threading_why"]))
     _load_cuda(state, lib_dir, namespace)
     return state
 
@@ -259,6 +246,6 @@ def _load_cuda(state: LoadState, lib_dir: Path, namespace: str) -> None:
         return
     state.cuda_loaded = True
     # (No torch.cuda.is_available() here: it would initialise the driver on every import.)
-    state.cuda_reason = f"loaded for torch CUDA {torch.version.cuda}"
+    state.cuda_reason = f"binding for target {state.target}, torch CUDA {torch.version.cuda}"
     state.libraries["cuda"] = str(binding.path)
     state.features.update({k: binding.info[k] for k in ("stream_api", "cuda_error_check")})

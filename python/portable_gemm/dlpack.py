@@ -22,6 +22,10 @@ Functions (same semantics as the torch ops; a, b, x, weight are 2-D):
     mixed_linear(x, qweight, scales, bits, group_size=None, bias=None, activation="none",
                  bf16_bits=False, stream=0, out=None)
 
+    build_info() -> str      the kernel library's build in one line (version, compiler, CUDA archs)
+    cpu_isa() -> str         the CPU units in use ("avx512+bf16", ...; PORTABLE_GEMM_ISA lowers them)
+    has_cuda() -> bool       whether this build has the CUDA kernels (not whether a GPU is present)
+
 Memory: the CPU kernels keep per-thread scratch buffers (packed panels, partial sums) for
 the next call. ``cpu_scratch_bytes()`` says how many bytes they hold, and
 ``release_cpu_scratch()`` frees those of every thread not inside a call at that moment and
@@ -39,8 +43,13 @@ Bad input raises TypeError (dtype, kind of array) or ValueError (shapes, argumen
 different devices).
 """
 
+import os
+
+from . import _env
 from ._dlpack import (build_info, cpu_isa, cpu_scratch_bytes, gemm, has_cuda, mixed_linear, quantize_weight,
                       release_cpu_scratch)
 
 __all__ = ["gemm", "quantize_weight", "mixed_linear", "build_info", "cpu_isa", "has_cuda", "cpu_scratch_bytes",
            "release_cpu_scratch"]
+
+_env.warn_all(_env.problems(os.environ, cpu_isa=cpu_isa()))

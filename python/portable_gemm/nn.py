@@ -52,6 +52,10 @@ class QuantizedLinear(torch.nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scales.dtype not in _DTYPES:  # e.g. after .double(): the ops would refuse them
+            raise TypeError(f"QuantizedLinear: its scales are {self.scales.dtype} (after .double() or .to()?), "
+                            "but the kernels take float32, float16 or bfloat16 scales; convert the module "
+                            "with .float(), .half() or .to(torch.bfloat16)")
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return mixed_linear(x, self.qweight, self.scales, bits=self.bits, group_size=self.group_size, bias=bias)
 

@@ -409,7 +409,8 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
 NB_MODULE(_dlpack, m) {
   find_is_finalizing();
   m.doc() = "Torch-free door to the portable_gemm kernels (CPU and CUDA arrays via DLPack / buffer protocol).";
-  m.def("has_cuda", [] { return pg::has_cuda(); });
+  m.def("has_cuda", [] { return pg::has_cuda(); },
+        "Whether this build has the CUDA kernels (not whether a GPU is present).");
   m.def("gemm",
         [](nb::handle a_obj, nb::handle b_obj, std::optional<nb::handle> bias_obj, const std::string& act,
            bool bf16_bits, uintptr_t stream, std::optional<nb::handle> out_obj) {
@@ -441,9 +442,13 @@ NB_MODULE(_dlpack, m) {
         nb::arg("group_size").none() = nb::none(), nb::arg("bias").none() = nb::none(),
         nb::arg("activation") = "none", nb::arg("bf16_bits") = false, nb::arg("stream") = 0,
         nb::arg("out").none() = nb::none());
-  m.def("build_info", [] { return std::string(pg::build_info()); });
-  m.def("cpu_isa", [] { return std::string(pg::cpu::isa()); });
-  m.def("cpu_scratch_bytes", [] { return portable_gemm_cpu_scratch_bytes(); });
+  m.def("build_info", [] { return std::string(pg::build_info()); },
+        "The kernel library's build in one line: version, compiler, CUDA toolkit and archs.");
+  m.def("cpu_isa", [] { return std::string(pg::cpu::isa()); },
+        "The CPU units the kernels use (avx512+bf16, ...; PORTABLE_GEMM_ISA lowers them).");
+  m.def("cpu_scratch_bytes", [] { return portable_gemm_cpu_scratch_bytes(); },
+        "Bytes the CPU kernels' per-thread scratch buffers hold now.");
   m.def("release_cpu_scratch", [] { return portable_gemm_release_cpu_scratch(); },
-        nb::call_guard<nb::gil_scoped_release>());
+        nb::call_guard<nb::gil_scoped_release>(),
+        "Frees the scratch of every thread not inside a call now; returns the bytes freed.");
 }

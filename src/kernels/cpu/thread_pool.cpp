@@ -79,12 +79,8 @@ constexpr int kMaxThreads = 1024;
 
 // PORTABLE_GEMM_NUM_THREADS, or 0 when unset or malformed.
 int env_threads() {
-  if (const char* env = std::getenv("PORTABLE_GEMM_NUM_THREADS")) {
-    char* end = nullptr;
-    long v = std::strtol(env, &end, 10);
-    if (end != env && v >= 1) return v > kMaxThreads ? kMaxThreads : static_cast<int>(v);
-  }
-  return 0;
+  const long v = env_pool_threads(std::getenv("PORTABLE_GEMM_NUM_THREADS"));
+  return v > kMaxThreads ? kMaxThreads : static_cast<int>(v);
 }
 
 // The size asked for through portable_gemm_set_pool_threads (0: none yet).

@@ -79,7 +79,7 @@ inline TorchOpenMp find_torch_openmp() {
     rt.why = json_safe("PORTABLE_GEMM_POOL=" + std::string(pool) + " is neither 'own' nor 'openmp'");
     return rt;
   }
-  if (const char* n = std::getenv("PORTABLE_GEMM_NUM_THREADS"); n != nullptr && *n != '\0') {
+  if (env_pool_threads(std::getenv("PORTABLE_GEMM_NUM_THREADS")) != 0) {
     rt.why = "PORTABLE_GEMM_NUM_THREADS sizes the library's own pool";
     return rt;
   }
