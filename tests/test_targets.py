@@ -217,3 +217,57 @@ def test_demo_cli_fails_when_an_op_is_wrong():
     proc = run_python(code)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("FAIL") == 3 and "2 passed, 3 failed" in proc.stdout
+
+
+def test_demo_cli_refuses_cuda_without_a_device():
+    # One line and exit 2, not torch's traceback from the first CUDA tensor.
+    proc = run_python("", args=["-m", "portable_gemm", "demo", "--device", "cuda"],
+                      env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.startswith("demo: --device cuda asked for, but "), proc.stderr
+
+
+@pytest.mark.parametrize("cmd", ["info", "demo"])
+def test_cli_prints_the_loaders_refusal_without_a_traceback(cmd):
+    proc = run_python("", args=["-m", "portable_gemm", cmd], env={"PORTABLE_GEMM_TARGET": "banana"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "is not a version like" in proc.stderr and "candidates:" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("env, target, warning", [
+    ({"PORTABLE_GEMM_POOL": "own"}, "2.10", "PORTABLE_GEMM_POOL='own' applies to target 2.9 only"),
+    ({"PORTABLE_GEMM_NUM_THREADS": "2"}, "2.10", "PORTABLE_GEMM_NUM_THREADS='2' sizes the library's own pool, "
+                                                 "which target 2.10's torch ops do not use"),
+    ({"PORTABLE_GEMM_NUM_THREADS": "abc"}, "2.9", "PORTABLE_GEMM_NUM_THREADS='abc' is not a whole number >= 1"),
+    ({"PORTABLE_GEMM_NUM_THREADS": "0"}, "2.9", "PORTABLE_GEMM_NUM_THREADS='0' is not a whole number >= 1"),
+    ({"PORTABLE_GEMM_HUGE_PAGES": "off"}, "2.10", "PORTABLE_GEMM_HUGE_PAGES='off' is neither '0' (off) nor '1'"),
+    ({"PORTABLE_GEMM_NUM_THREADS": "2"}, "2.9", None),
+    ({"PORTABLE_GEMM_POOL": "own"}, "2.9", None),
+    ({"PORTABLE_GEMM_HUGE_PAGES": "0"}, "2.10", None),
+])
+def test_env_settings_that_do_nothing_are_warned_about(env, target, warning):
+    """A setting the library ignores, or that does nothing under the loaded target, warns at
+    import, attributed to the importing line (here `-c` code, "<string>"), not to the package."""
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "import json, torch, portable_gemm as pg\n"
+            "print('FEATURES', json.dumps(pg.info()['features']))")
+    proc = run_python(code, env={"PORTABLE_GEMM_TARGET": target, **env},
+                      unset=("PORTABLE_GEMM_POOL", "PORTABLE_GEMM_NUM_THREADS", "PORTABLE_GEMM_HUGE_PAGES"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "RuntimeWarning: portable_gemm:" in ln]
+    if warning is None:
+        assert not lines, proc.stderr[-2000:]
+        return
+    assert len(lines) == 1 and warning in lines[0], proc.stderr[-2000:]
+    assert lines[0].startswith("<string>:2: RuntimeWarning"), lines[0]
+    if "abc" in warning or "'0'" in warning:
+        # a malformed count is ignored everywhere: 2.9 keeps the runtime it would have had
+        features = json.loads(proc.stdout.split("FEATURES ", 1)[1])
+        assert "PORTABLE_GEMM_NUM_THREADS" not in features["threading_why"], features
+
+
+def test_dir_lists_the_lazily_loaded_names():
+    assert {"gemm", "quantize_weight", "mixed_linear", "dequantize_weight", "info", "nn",
+            "release_cpu_scratch", "cpu_scratch_bytes", "__version__"} <= set(dir(pg))

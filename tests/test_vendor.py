@@ -55,6 +55,27 @@ print("OK")
     assert proc.stdout.strip().endswith("OK")
 
 
+def test_vendored_copy_cli_is_its_own(vendored):
+    """`python -m pg_copy ...` describes and runs the copy, even where portable_gemm itself
+    cannot be imported (a blocked import stands in for an uninstalled original)."""
+    run = ("import runpy, sys\n"
+           "sys.modules['portable_gemm'] = None  # any import of the original now fails\n"
+           f"sys.path.insert(0, {str(vendored)!r})\n"
+           "sys.argv = ['pg_copy'] + sys.argv[1:]\n"
+           "runpy.run_module('pg_copy', run_name='__main__', alter_sys=True)\n")
+    proc = run_python("", args=["-c", run, "info"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("portable_gemm ") and "(torch.ops.downstream_ns; a vendored copy)" in proc.stdout
+    assert f"cpu      {vendored.resolve() / 'pg_copy' / 'lib'}" in proc.stdout, proc.stdout
+    proc = run_python("", args=["-c", run, "demo", "--device", "cpu"])
+    assert proc.returncode == 0 and "5 passed, 0 failed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = run_python("", args=["-c", run, "--cmake-dir"])
+    assert proc.returncode == 2 and "a vendored copy carries none" in proc.stderr, proc.stderr[-2000:]
+    proc = run_python("", args=["-c", run, "vendor", "--into", str(vendored / "again"), "--namespace", "ns9"])
+    assert proc.returncode == 2 and "pg_copy is a vendored copy" in proc.stderr, proc.stderr[-2000:]
+    assert not (vendored / "again").exists()
+
+
 def _readelf_dynamic(path: Path) -> dict[str, list[str]]:
     """NEEDED / SONAME entries as binutils' readelf prints them (independent of our parser)."""
     out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout

@@ -67,5 +67,10 @@ def __getattr__(name):
     return value
 
 
+def __dir__():
+    # the lazily loaded names too (tab completion lists them before their first use)
+    return sorted(set(globals()) | set(__all__) | {"nn", "__version__"})
+
+
 if "torch" in sys.modules:
     _load()

@@ -1,19 +1,43 @@
-"""Command line: `python -m portable_gemm {info,demo}` and `--cmake-dir`."""
+"""Command line: `python -m portable_gemm {info,demo,vendor}` and `--cmake-dir`.
+
+Everything here imports this package relatively (`__package__`), so a vendored copy's
+`python -m mylib._gemm info` describes the copy, not an installed portable_gemm."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import time
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The package this file belongs to: "portable_gemm", or a vendored copy's name.
+PACKAGE = __package__ or "portable_gemm"
 
-def _demo(devices: list[str]) -> int:
+
+def _is_vendored() -> bool:
+    """A vendored copy has no _vendor.py (python -m portable_gemm vendor leaves it out)."""
+    return not os.path.exists(os.path.join(HERE, "_vendor.py"))
+
+
+def _loaded():
+    """The package with its binding loaded, or None after printing the loader's refusal (one
+    message naming every candidate and why it was rejected) without a traceback."""
+    try:
+        pg = importlib.import_module(PACKAGE)  # loads the binding here if torch is imported
+        pg.info  # noqa: B018  (otherwise the first torch-facing name does)
+    except ImportError as e:
+        print(e, file=sys.stderr)  # the loader's messages start with "portable_gemm: "
+        return None
+    return pg
+
+
+def _demo(pg, devices: list[str]) -> int:
     import torch
 
-    import portable_gemm as pg
-    from portable_gemm._info import format_info
+    format_info = importlib.import_module(f"{PACKAGE}._info").format_info
 
     print(format_info(pg.info()))
     print()
@@ -65,7 +89,7 @@ def _demo(devices: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m portable_gemm")
+    parser = argparse.ArgumentParser(prog=f"python -m {PACKAGE}")
     parser.add_argument("--cmake-dir", action="store_true",
                         help="print the folder of the CMake package config (for find_package)")
     sub = parser.add_subparsers(dest="cmd")
@@ -81,32 +105,52 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.cmake_dir:
-        here = os.path.dirname(os.path.abspath(__file__))
-        print(os.path.join(here, "share", "cmake", "PortableGemm"))
+        cmake_dir = os.path.join(HERE, "share", "cmake", "PortableGemm")
+        if not os.path.isdir(cmake_dir):
+            print(f"--cmake-dir: {PACKAGE} has no CMake package ({cmake_dir} does not exist); "
+                  + ("a vendored copy carries none: C++ consumers build against the portable_gemm wheel's"
+                     if _is_vendored() else "reinstall portable_gemm"), file=sys.stderr)
+            return 2
+        print(cmake_dir)
         return 0
     if args.cmd == "info":
-        import portable_gemm as pg
-        from portable_gemm._info import format_info
-
+        pg = _loaded()
+        if pg is None:
+            return 1
         d = pg.info()
+        format_info = importlib.import_module(f"{PACKAGE}._info").format_info
         print(json.dumps(d, indent=2) if args.json else format_info(d))
         return 0
     if args.cmd == "vendor":
-        from portable_gemm._vendor import vendor
+        if _is_vendored():
+            print(f"vendor: {PACKAGE} is a vendored copy; vendor from the installed portable_gemm "
+                  "(python -m portable_gemm vendor ...)", file=sys.stderr)
+            return 2
+        vendor = importlib.import_module(f"{PACKAGE}._vendor").vendor
 
         try:
             dest = vendor(args.into, args.namespace, force=args.force)
         except (ValueError, FileExistsError, RuntimeError) as e:
             print(f"vendor: {e}", file=sys.stderr)
             return 2
-        print(f"vendored portable_gemm into {dest} (torch.ops.{args.namespace}); "
-              f"import it as {dest.name!r} from {dest.parent}")
+        how = (f"import it as {dest.parent.name}.{dest.name} (a subpackage of {dest.parent})"
+               if (dest.parent / "__init__.py").is_file() else
+               f"import it as {dest.name} with {dest.parent} on sys.path")
+        print(f"vendored portable_gemm into {dest} (torch.ops.{args.namespace}); {how}")
         return 0
     if args.cmd == "demo":
         import torch
 
+        if "cuda" in (args.device or []) and not torch.cuda.is_available():
+            why = ("this torch is a CPU-only build" if not torch.version.cuda
+                   else f"torch {torch.__version__} finds no CUDA device")
+            print(f"demo: --device cuda asked for, but {why}", file=sys.stderr)
+            return 2
+        pg = _loaded()
+        if pg is None:
+            return 1
         devices = args.device or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-        return _demo(devices)
+        return _demo(pg, devices)
     parser.print_help()
     return 2
 

@@ -66,7 +66,7 @@ def huge_pages_state(env: str | None, thp_mode: str | None) -> str:
 
 def format_info(d: dict) -> str:
     lines = [f"portable_gemm {d['manifest'].get('project_version', '?')} "
-             f"(torch.ops.{d['namespace']})",
+             f"(torch.ops.{d['namespace']}" + ("; a vendored copy)" if d["manifest"].get("vendored") else ")"),
              f"torch        {d['torch']}" + (f" (CUDA {d['torch_cuda']})" if d['torch_cuda'] else " (CPU-only build)"),
              f"target       {d['target']}",
              "candidates:"]
