@@ -1,5 +1,7 @@
 """gemm against a float64 reference: named shape lists, dtypes, layouts, bias, activations."""
 
+import os
+
 import pytest
 import torch
 from conftest import (ACTIVATIONS, ALIGNED, BLOCK_EDGES, DEVICES, DTYPES, LARGE_K, M_SWEEP, ODD,
@@ -9,8 +11,11 @@ import portable_gemm as pg
 
 
 def test_sentinel_is_active():
-    # The check below would be vacuous if new tensors were not NaN-filled.
+    # The output checks would be vacuous without the fill: torch's deterministic fill for the
+    # tensors the tests make, PORTABLE_GEMM_FILL_OUTPUTS for the ones the ops allocate.
     assert torch.isnan(torch.empty(16)).all()
+    assert os.environ.get("PORTABLE_GEMM_FILL_OUTPUTS") == "1"
+    assert pg.info()["features"]["fill_outputs"].startswith("on:"), pg.info()["features"]
 
 
 @pytest.mark.parametrize("device", DEVICES)

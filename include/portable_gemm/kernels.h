@@ -172,6 +172,13 @@ PG_API bool advise_new_output(void* data, size_t bytes);
 // Build facts of the kernel library itself (version string, compiler, CUDA archs).
 PG_API const char* build_info();
 
+// A debugging aid, on in the tests: with PORTABLE_GEMM_FILL_OUTPUTS=1 in the environment
+// (read once), the doors fill every output they allocate with 0xFF bytes before the kernel
+// writes it (NaN in f32, f16 and bf16; -1 in int8), so that an element a kernel misses shows
+// as NaN. torch's own fill (use_deterministic_algorithms) does not reach the outputs the
+// torch binding allocates through the AOTI shim's empty_strided on the CPU.
+PG_API bool fill_new_outputs();
+
 // True when this kernel library was compiled with CUDA kernels.
 PG_API bool has_cuda();
 
@@ -261,6 +268,9 @@ PG_API const char* error_string(int32_t code);
 // For callers without an allocator of their own (the DLPack door): device memory on
 // `device`, and making `device` current (previous one returned, to restore it after).
 PG_API Status device_alloc(void** ptr, size_t bytes, int32_t device);
+// bytes of device memory at data set to 0xFF, enqueued on `stream` (fill_new_outputs); with a
+// null stream it returns after the fill has finished.
+PG_API Status fill_bytes(void* data, size_t bytes, void* stream);
 PG_API void device_free(void* ptr, int32_t device);
 PG_API Status set_device(int32_t device, int32_t* previous);
 }  // namespace cuda

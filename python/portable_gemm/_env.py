@@ -43,6 +43,9 @@ def problems(environ: Mapping[str, str], *, cpu_isa: str, target: str | None = N
     if huge not in (None, "", "0", "1"):
         out.append(f"PORTABLE_GEMM_HUGE_PAGES={huge!r} is neither '0' (off) nor '1' (on); outputs of 32 MiB "
                    "and more are still offered huge pages")
+    fill = environ.get("PORTABLE_GEMM_FILL_OUTPUTS")
+    if fill not in (None, "", "0", "1"):
+        out.append(f"PORTABLE_GEMM_FILL_OUTPUTS={fill!r} is neither '0' nor '1'; outputs are not filled")
     if target is None:
         return out
     pool = environ.get("PORTABLE_GEMM_POOL", "")

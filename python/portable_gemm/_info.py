@@ -19,6 +19,9 @@ def info() -> dict:
         now = _state.cpu_binding.current_info()
         features.update({k: now[k] for k in ("threading", "threading_why") if k in now})
     features["cpu_huge_pages"] = huge_pages_state(os.environ.get("PORTABLE_GEMM_HUGE_PAGES"), _thp_mode())
+    if _state.cpu_binding is not None and _state.cpu_binding.info.get("fill_outputs"):  # the kernel library's own reading
+        features["fill_outputs"] = ("on: fresh outputs are 0xFF (NaN) before the kernels run "
+                                    "(PORTABLE_GEMM_FILL_OUTPUTS=1, a debugging aid)")
     from ._scratch import cpu_scratch_bytes
 
     features["cpu_scratch"] = (f"{cpu_scratch_bytes() / 2**20:.1f} MiB held between calls "

@@ -127,6 +127,24 @@ struct Output {
       data = std::aligned_alloc(64, bytes);
       if (!data) throw std::bad_alloc();
     }
+    if (pg::fill_new_outputs()) fill(bytes);
+  }
+  // PORTABLE_GEMM_FILL_OUTPUTS=1 (the tests): 0xFF bytes (NaN) before the kernel writes it.
+  // On CUDA through the legacy default stream, finished before the call's own stream runs.
+  void fill(size_t bytes) {
+    if (!where.cuda) {
+      std::memset(data, 0xFF, bytes);
+      return;
+    }
+    int32_t previous = 0;
+    if (pg::cuda::set_device(where.device, &previous).ok()) {
+      const pg::Status s = pg::cuda::fill_bytes(data, bytes, nullptr);
+      pg::cuda::set_device(previous, &previous);
+      if (!s.ok()) {
+        pg::cuda::device_free(data, where.device);
+        throw nb::value_error((std::string("CUDA fill failed: ") + s.message).c_str());
+      }
+    }
   }
   Output(const Output&) = delete;
   Output(Output&& o) noexcept : data(o.data), ndim(o.ndim), dtype(o.dtype), where(o.where) {

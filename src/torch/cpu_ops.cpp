@@ -20,15 +20,25 @@ struct CpuBackend {
   static void advise(const Matrix& out) {
     cpu::advise_new_output(out.data, size_t(out.rows * out.cols) * dtype_size(out.dtype));
   }
+  // PORTABLE_GEMM_FILL_OUTPUTS=1 (the tests): the outputs NaN / 0xFF before the kernel runs
+  // (after the huge-page advice, which must come before the first touch).
+  template <class Args>
+  static void fill(const Args& a) {
+    if (fill_new_outputs())
+      for (const Span& s : fresh_outputs(a)) std::memset(s.data, 0xFF, s.bytes);
+  }
   static void run(const GemmArgs& a, const Tensor&, const char* op) {
     advise(a.c);
+    fill(a);
     throw_if_error(cpu::gemm(a, compat::cpu_executor()), op);
   }
   static void run(const MixedLinearArgs& a, const Tensor&, const char* op) {
     advise(a.y);
+    fill(a);
     throw_if_error(cpu::mixed_linear(a, compat::cpu_executor()), op);
   }
   static void run(const QuantizeArgs& a, const Tensor&, const char* op) {
+    fill(a);
     throw_if_error(cpu::quantize(a, compat::cpu_executor()), op);
   }
 };
@@ -49,7 +59,8 @@ PG_BINDING_EXPORT const char* portable_gemm_binding_info() {
     return std::string("{\"target\": \"") + PG_TARGET_VERSION +
            "\", \"device\": \"cpu\", \"threading\": \"" + compat::cpu_executor_name() +
            "\", \"threading_why\": \"" + compat::cpu_executor_why() +
-           "\", \"cpu_isa\": \"" + portable_gemm::cpu::isa() + "\"}";
+           "\", \"cpu_isa\": \"" + portable_gemm::cpu::isa() +
+           "\", \"fill_outputs\": " + (portable_gemm::fill_new_outputs() ? "true" : "false") + "}";
   };
   static const std::string info = make();
   if (std::strcmp(compat::cpu_executor_name(), compat::cpu_executor().name) != 0) {

@@ -17,11 +17,19 @@ struct CudaBackend {
   static void check_device(const Tensor& t, const char* op) {
     PG_CHECK(t.is_cuda(), op, ": the CUDA kernel got a non-CUDA tensor");
   }
+  // PORTABLE_GEMM_FILL_OUTPUTS=1 (the tests): the outputs 0xFF (NaN) on the op's stream
+  // before its kernels.
+  template <class Args>
+  static void fill(const Args& a, void* stream) {
+    if (fill_new_outputs())
+      for (const Span& s : fresh_outputs(a)) PG_CUDA_CHECK(cuda::fill_bytes(s.data, s.bytes, stream).code);
+  }
   template <class Args, class Launch>
   static void launch(const Args& args, const Tensor& like, Launch fn) {
     const int32_t device = like.get_device_index();
     torch::stable::accelerator::DeviceGuard guard(device);
     void* stream = compat::current_cuda_stream(device);
+    fill(args, stream);
     PG_CUDA_CHECK(fn(args, stream).code);
   }
   static void run(const GemmArgs& a, const Tensor& like, const char*) {
@@ -39,6 +47,7 @@ struct CudaBackend {
     int64_t bytes = 0;
     const cuda::MixedLinearPath path = cuda::mixed_linear_path(a, &bytes);
     void* stream = compat::current_cuda_stream(device);
+    fill(a, stream);
     if (path == cuda::MixedLinearPath::kernels) {  // under the guard above: no second one
       PG_CUDA_CHECK(cuda::mixed_linear(a, stream).code);
       return;

@@ -141,6 +141,21 @@ inline ConstMatrix rows_view(const Tensor& t, std::optional<Tensor>& keep) {
   return *as_rows(*keep);
 }
 
+// The outputs an op's arguments point at, as (data, bytes): all of them fresh and contiguous
+// (new_output), for fill_new_outputs.
+struct Span {
+  void* data;
+  size_t bytes;
+};
+inline size_t fresh_bytes(const Matrix& m) { return size_t(m.rows) * size_t(m.cols) * dtype_size(m.dtype); }
+inline std::vector<Span> fresh_outputs(const GemmArgs& a) { return {{a.c.data, fresh_bytes(a.c)}}; }
+inline std::vector<Span> fresh_outputs(const MixedLinearArgs& a) { return {{a.y.data, fresh_bytes(a.y)}}; }
+inline std::vector<Span> fresh_outputs(const QuantizeArgs& a) {
+  const size_t n = size_t(a.w.rows), k = size_t(a.w.cols);
+  const size_t groups = a.group_size > 0 ? k / size_t(a.group_size) : 1;
+  return {{a.qweight, n * (a.bits == 8 ? k : k / 2)}, {a.scales, n * groups * dtype_size(a.scales_dtype)}};
+}
+
 inline void throw_if_error(const Status& s, const char* op) {
   PG_CHECK(s.ok(), op, ": ", s.message ? s.message : "kernel failed");
 }

@@ -1,6 +1,9 @@
 // Build facts of the kernel library. The PG_* macros are set by src/kernels/CMakeLists.txt
 // so that a bug report can quote exactly which compiler and CUDA archs produced this
 // binary, independently of which torch binding loaded it.
+#include <cstdlib>
+#include <cstring>
+
 #include "portable_gemm/kernels.h"
 
 #ifndef PG_VERSION
@@ -40,6 +43,14 @@ bool has_cuda() {
 #else
   return false;
 #endif
+}
+
+bool fill_new_outputs() {
+  static const bool on = [] {
+    const char* e = std::getenv("PORTABLE_GEMM_FILL_OUTPUTS");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return on;
 }
 
 }  // namespace portable_gemm

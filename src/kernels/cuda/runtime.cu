@@ -19,6 +19,14 @@ Status device_alloc(void** ptr, size_t bytes, int32_t device) {
   return detail::status_from(e);
 }
 
+Status fill_bytes(void* data, size_t bytes, void* stream) {
+  if (bytes == 0) return Status{};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaMemsetAsync(data, 0xFF, bytes, st);
+  if (e == cudaSuccess && st == nullptr) e = cudaStreamSynchronize(nullptr);
+  return detail::status_from(e);
+}
+
 void device_free(void* ptr, int32_t device) {
   int previous = 0;
   if (cudaGetDevice(&previous) != cudaSuccess) return;

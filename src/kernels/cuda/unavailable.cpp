@@ -28,6 +28,7 @@ MixedLinearPath mixed_linear_path(const MixedLinearArgs&, int64_t* scratch_bytes
 }
 Status mixed_linear_pooled(const MixedLinearArgs&, void*) { return unavailable(); }
 Status device_alloc(void**, size_t, int32_t) { return unavailable(); }
+Status fill_bytes(void*, size_t, void*) { return unavailable(); }
 void device_free(void*, int32_t) {}
 Status set_device(int32_t, int32_t*) { return unavailable(); }
 const char* error_string(int32_t) {
