@@ -3,6 +3,7 @@ capture and replay), the device guard, and the binding's stream branch."""
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -430,6 +431,7 @@ def test_dlpack_out_captured_in_a_cuda_graph(m, n):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, pg.mixed_linear(x, q, s, bits=4, group_size=128))
+        assert_close(out, x.cpu().double() @ dequant_ref(q.cpu(), s.cpu(), 4, 128).T, dtype)
 
 
 # The GEMV's last-rows launch may start while the whole blocks' launch runs (sm_90: a
@@ -597,6 +599,8 @@ import sys, torch
 sys.path.insert(0, {str(tmp_path)!r})
 import portable_gemm as pg
 import pg_copy_cuda as pgc
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from conftest import dequant_ref
 info = pgc.info()
 assert info["cuda"]["loaded"], info["cuda"]["reason"]
 for kind in ("cuda", "kernels"):
@@ -613,7 +617,7 @@ w = torch.randn(96, 512, device="cuda", dtype=torch.bfloat16)
 q, s = pgc.quantize_weight(w, bits=4, group_size=128)
 q0, s0 = pg.quantize_weight(w, bits=4, group_size=128)
 assert torch.equal(q, q0) and torch.equal(s, s0)
-wd = pgc.dequantize_weight(q, s, bits=4, group_size=128).double()
+wd = dequant_ref(q.cpu(), s.cpu(), 4, 128).cuda()  # the tests' own float64 reference
 for m in (1, 16, 40):
     x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
     out = pgc.mixed_linear(x, q, s, bits=4, group_size=128)

@@ -214,7 +214,7 @@ def test_quantized_linear_group_sizes(group):
     lin = torch.nn.Linear(64, 8)
     q = pg.nn.QuantizedLinear.from_linear(lin, bits=4, group_size=group)
     x = rand((3, 64), f32)
-    w = pg.dequantize_weight(q.qweight, q.scales, bits=4, group_size=group, dtype=torch.float64)
+    w = dequant_ref(q.qweight, q.scales, 4, None if group is None else int(group))
     torch.testing.assert_close(q(x).double(), x.double() @ w.T + lin.bias.double(), rtol=1e-4, atol=1e-4)
 
 
@@ -438,7 +438,7 @@ def test_installed_manifest_records_its_source():
     src = manifest["source"]
     if src is None:
         assert not (REPO / ".git").exists() or os.environ.get("CI") != "true", "a CI build from git recorded no commit"
-        return
+        pytest.skip("this wheel records no source commit (not built from a git checkout): nothing to compare")
     assert set(src) == {"commit", "dirty"} and isinstance(src["dirty"], bool), src
     assert len(src["commit"]) >= 7 and all(c in "0123456789abcdef" for c in src["commit"]), src
     if os.environ.get("CI") == "true" and (REPO / ".git").exists():

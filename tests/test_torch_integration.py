@@ -111,7 +111,11 @@ def test_wrappers_skip_autograd_only_when_no_grad_is_needed(device):
     with torch.no_grad():
         assert pg.gemm(ar, b).grad_fn is None
     xr = x.clone().requires_grad_()
-    assert pg.mixed_linear(xr, q, s, bits=4, group_size=32).grad_fn is not None
+    y = pg.mixed_linear(xr, q, s, bits=4, group_size=32)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    want = dequant_ref(q.cpu(), s.cpu(), 4, 32).sum(0).expand(3, 64)  # d(sum(x @ W.T)) / dx, float64
+    assert_close(xr.grad.cpu(), want, torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
