@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 # PORTABLE_GEMM_ISA's names (the kernel library's cpu::isa_request; "amx" lowers nothing).
 CPU_ISA_NAMES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+# The executor name a binding reports when its CPU ops run on torch's own pool.
+TORCH_POOL = "torch::stable::parallel_for"
 
 
 def pool_threads(value: str | None) -> int | None:
@@ -49,7 +51,9 @@ def problems(environ: Mapping[str, str], *, cpu_isa: str, target: str | None = N
     if target is None:
         return out
     pool = environ.get("PORTABLE_GEMM_POOL", "")
-    on_torch_pool = target != "2.9"  # compat/threading.h: torch's parallel_for from 2.10
+    # what the binding says runs its CPU ops (compat/threading.h decides per target): on
+    # torch's pool neither POOL nor NUM_THREADS is read
+    on_torch_pool = threading == TORCH_POOL
     if pool not in ("", "own", "openmp"):
         out.append(f"PORTABLE_GEMM_POOL={pool!r} is neither 'own' nor 'openmp'; target {target}'s CPU ops "
                    f"run on {threading} ({threading_why})")
@@ -72,7 +76,7 @@ def _bootstrap(filename: str) -> bool:
     return "importlib" in filename and "_bootstrap" in filename
 
 
-def warn_all(messages: list[str], prefix: str = "portable_gemm") -> None:
+def warn_all(messages: list[str]) -> None:
     """Each message as a RuntimeWarning attributed to the first frame outside this package
     and the import machinery (the user's `import portable_gemm` or first call)."""
     if not messages:
@@ -85,4 +89,4 @@ def warn_all(messages: list[str], prefix: str = "portable_gemm") -> None:
         if frame is not None and not _bootstrap(frame.f_code.co_filename):
             level += 1
     for m in messages:
-        warnings.warn(f"{prefix}: {m}", RuntimeWarning, stacklevel=level)
+        warnings.warn(f"portable_gemm: {m}", RuntimeWarning, stacklevel=level)
