@@ -431,7 +431,7 @@ def test_dlpack_out_captured_in_a_cuda_graph(m, n):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, pg.mixed_linear(x, q, s, bits=4, group_size=128))
-        assert_close(out, x.cpu().double() @ dequant_ref(q.cpu(), s.cpu(), 4, 128).T, dtype)
+        assert_close(out.cpu(), x.cpu().double() @ dequant_ref(q.cpu(), s.cpu(), 4, 128).T, dtype)
 
 
 # The GEMV's last-rows launch may start while the whole blocks' launch runs (sm_90: a
