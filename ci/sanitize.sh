@@ -115,7 +115,10 @@ set +e
   # UBSan ignores log_path when its runtime sits beside a preloaded libasan: its reports go
   # to stderr, so the run's output is kept and searched too (below).
   export UBSAN_OPTIONS="halt_on_error=$HALT:print_stacktrace=1:exitcode=87:log_path=$REPORTS/ubsan"
-  "$PY" -m pytest -q -p no:cacheprovider "${PYTEST_ARGS[@]}" 2>&1 | tee "$REPORTS/pytest.out"
+  # --capture=sys: pytest captures Python's own streams only, so a report the runtime writes
+  # to fd 2 reaches this output even when halt_on_error ends the process inside a test (with
+  # fd capture it died in pytest's buffer, unseen: "exit 87, 0 reports").
+  "$PY" -m pytest -q -p no:cacheprovider --capture=sys "${PYTEST_ARGS[@]}" 2>&1 | tee "$REPORTS/pytest.out"
   exit "${PIPESTATUS[0]}"
 )
 rc=$?

@@ -25,7 +25,8 @@ struct CpuBackend {
   template <class Args>
   static void fill(const Args& a) {
     if (fill_new_outputs())
-      for (const Span& s : fresh_outputs(a)) std::memset(s.data, 0xFF, s.bytes);
+      for (const Span& s : fresh_outputs(a))
+        if (s.bytes != 0) std::memset(s.data, 0xFF, s.bytes);  // an empty output's data may be null
   }
   static void run(const GemmArgs& a, const Tensor&, const char* op) {
     advise(a.c);
