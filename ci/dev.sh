@@ -4,13 +4,14 @@
 #
 #   bash ci/dev.sh demo     build the portable wheel (5 targets, CPU + CUDA bindings), install
 #                           it into the venv, print which binary was chosen and why, run the GEMMs
-#   bash ci/dev.sh test     build + install, then pytest, the ASan+UBSan run, the symbol audit and
-#                           the runtime matrix
+#   bash ci/dev.sh test     build + install, then pytest, the CPU kernel tests on each unit below
+#                           the CPU's best, the ASan+UBSan run, the symbol audit and the runtime matrix
 #   bash ci/dev.sh wheel    only build the wheel into dist/
 #   bash ci/dev.sh pytest [args]   only pytest against the installed wheel
 #   bash ci/dev.sh audit    symbol audit of dist/*.whl against every runtime's export list
 #   bash ci/dev.sh matrix [args]   the runtime matrix (one venv per torch release, uv cache)
 #   bash ci/dev.sh bench [args]    CPU benchmark (ratios against torch in the same process)
+#   bash ci/dev.sh isa-paths [args] the CPU kernel tests once per unit below this CPU's best
 #   bash ci/dev.sh sanitize [args] the CPU suite under an ASan+UBSan build (ci/sanitize.sh)
 #   bash ci/dev.sh abi3 [args]     the cp312-abi3 wheel (what 3.12 and later install) built with
 #                           Python 3.12 into dist-abi3/, then the test suite under Python 3.13
@@ -153,6 +154,23 @@ run_pytest() {
   (cd tests && "$VENV/bin/python" -m pytest -q "$@")
 }
 
+# The Python suite runs the CPU's best units (AVX-512 with bf16 pairs here, AMX where present);
+# the kernels below them (AVX-512 without bf16, AVX2, generic) are what other users' CPUs run.
+# PORTABLE_GEMM_ISA lowers the choice, and conftest refuses a run that did not get the units
+# it asked for. The C++ test (tests/cpp) covers every path too, with the kernel library alone.
+ISA_RANKS="generic avx2 avx512 avx512_bf16 amx"
+isa_paths() {
+  local native rank isa files=(test_gemm.py test_mixed_linear.py test_fuzz.py test_concurrency.py)
+  native=$(cd /tmp && "$VENV/bin/python" -c "import portable_gemm as p; print(p.info()['features']['cpu_isa'])")
+  case "$native" in generic) rank=0 ;; avx2) rank=1 ;; avx512) rank=2 ;; avx512+bf16) rank=3 ;; *amx*) rank=4 ;;
+    *) echo "isa-paths: unknown cpu_isa '$native'" >&2; return 1 ;; esac
+  if [ "$rank" = 0 ]; then echo "isa-paths: the CPU runs the generic kernels; none below them"; return 0; fi
+  for isa in $(echo "$ISA_RANKS" | cut -d' ' -f1-"$rank"); do
+    log "CPU kernel tests with PORTABLE_GEMM_ISA=$isa (this CPU: $native)"
+    (cd tests && PORTABLE_GEMM_ISA=$isa "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${files[@]}" -k "not cuda" "$@")
+  done
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -167,6 +185,7 @@ case "$cmd" in
   matrix) setup; "$VENV/bin/python" ci/matrix.py --wheel "$(ls dist/portable_gemm-*.whl)" "$@" ;;
   bench) setup; "$VENV/bin/python" bench/cpu_bench.py "$@" ;;
   sanitize) setup; PG_VENV="$VENV" bash ci/sanitize.sh "$@" ;;
+  isa-paths) setup; isa_paths "$@" ;;
   abi3) scratch_tmp; abi3 "$@" ;;
   test)
     scratch_tmp
@@ -174,6 +193,7 @@ case "$cmd" in
     log "pytest"
     # PG_FUZZ_BIG=1: the one real output beyond 2^31 elements (4 GiB, ~10-25 s; opt-in elsewhere)
     PG_FUZZ_BIG=1 run_pytest
+    isa_paths
     log "ASan + UBSan"
     PG_VENV="$VENV" bash ci/sanitize.sh
     log "symbol audit"
@@ -187,5 +207,5 @@ case "$cmd" in
       abi3
     fi
     ;;
-  *) sed -n '2,21p' "$0"; exit 2 ;;
+  *) sed -n '2,22p' "$0"; exit 2 ;;
 esac

@@ -60,6 +60,35 @@ BLOCK_EDGES = [(2053, 1601, 2100), (45, 1601, 2100), (45, 1600, 2100), (45, 992,
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+# PORTABLE_GEMM_ISA's request and the cpu_isa that info() reports when the CPU has it
+# (ci/dev.sh test runs the CPU kernel tests once per unit below the CPU's best).
+ISA_REQUESTS = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512+bf16",
+                "amx": "avx512+bf16+amx"}
+
+
+def pytest_report_header(config):
+    try:
+        import portable_gemm
+        features = portable_gemm.info()["features"]
+    except Exception as e:  # the tests that need the package say why it failed
+        return f"portable_gemm: not loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    request = os.environ.get("PORTABLE_GEMM_ISA")
+    asked = f" (PORTABLE_GEMM_ISA={request})" if request is not None else ""
+    return f"portable_gemm: target {portable_gemm.info()['target']}, CPU units {features['cpu_isa']}{asked}"
+
+
+def pytest_sessionstart(session):
+    """A run that asks for lower CPU units must get them: the kernel library only ever lowers
+    its choice, so asking for a unit this CPU lacks would silently test the units below."""
+    request = os.environ.get("PORTABLE_GEMM_ISA")
+    if request not in ISA_REQUESTS:
+        return
+    import portable_gemm
+    got = portable_gemm.info()["features"]["cpu_isa"]
+    if got != ISA_REQUESTS[request]:
+        raise pytest.UsageError(f"PORTABLE_GEMM_ISA={request} asks for the {ISA_REQUESTS[request]} kernels, but "
+                                f"the CPU kernels run on {got}: this CPU lacks the units asked for")
+
 
 @pytest.fixture(autouse=True)
 def sentinel_outputs():
