@@ -1,12 +1,16 @@
 """Every CUDA op once, at small odd and aligned shapes, every dtype and scheme: the workload
 compute-sanitizer (memcheck / racecheck / initcheck) runs over in ci/gpu_session.sh."""
 
+import os
 import sys
 
-import torch
+# initcheck must see the kernels' own writes: without the tests' output fill, which would
+# initialise every fresh output first (the kernel library reads the variable once, at load).
+os.environ.pop("PORTABLE_GEMM_FILL_OUTPUTS", None)
+import torch  # noqa: E402
 
-import portable_gemm as pg
-from portable_gemm import dlpack
+import portable_gemm as pg  # noqa: E402
+from portable_gemm import dlpack  # noqa: E402
 
 # --initcheck: leave out the calls whose result is read back after a TMA store (cuBLAS's and
 # CUTLASS's sm_90 kernels write with cp.async.bulk, which initcheck does not track: every
