@@ -2,9 +2,13 @@
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -205,3 +209,180 @@ def test_quantized_linear_module():
     assert m2.to("cpu").qweight.device.type == "cpu"
     with pytest.raises(ValueError, match="must divide in_features"):
         pg.nn.QuantizedLinear(100, 8, group_size=128)
+
+
+def test_copy_has_the_mode_of_a_plain_folder(tmp_path):
+    """mkdtemp makes its folder 0700; the copy must not keep that, or another user (a
+    container's non-root USER, a shared checkout) sees an empty namespace package."""
+    umask = os.umask(0o022)
+    try:
+        dest = vendor(tmp_path / "modes", "ns_modes")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o755
+    assert stat.S_IMODE((dest / "lib").stat().st_mode) == 0o755
+    assert stat.S_IMODE((dest / "lib" / "manifest.json").stat().st_mode) & 0o044 == 0o044
+
+
+def test_stale_work_folders_of_killed_runs_are_removed(tmp_path):
+    """A run killed by SIGKILL leaves its work folder; the next run for the same copy removes
+    those whose process is gone, and leaves a live process's alone."""
+    dead = tmp_path / ".dest.vendoring-999999999-abc123"  # above any pid_max: no such process
+    live = tmp_path / f".dest.vendoring-{os.getpid()}-def456"
+    other = tmp_path / ".unrelated"
+    for d in (dead, live, other):
+        (d / "lib").mkdir(parents=True)
+    vendor(tmp_path / "dest", "ns_stale")
+    assert not dead.exists() and live.is_dir() and other.is_dir()
+    # and a real kill: the work folder it leaves has that name, so the next run finds it
+    proc = subprocess.Popen([sys.executable, "-c", "import portable_gemm._vendor as v, shutil, time\n"
+                             "orig = shutil.copytree\n"
+                             "def slow(*a, **k):\n    r = orig(*a, **k); time.sleep(60); return r\n"
+                             "shutil.copytree = slow\n"
+                             f"v.vendor({str(tmp_path / 'killed')!r}, 'ns_killed')"])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(f".killed.vendoring-{proc.pid}-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    left = list(tmp_path.glob(f".killed.vendoring-{proc.pid}-*"))
+    assert left, "the killed run left no work folder (or named it otherwise)"
+    vendor(tmp_path / "killed", "ns_killed")
+    assert not any(p.exists() for p in left), left
+    assert (tmp_path / "killed" / "lib" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("ns,why", [
+    ("higher_order", "an attribute of torch.ops"), ("load_library", "an attribute of torch.ops"),
+    ("c10d", "already registered in torch"), ("ünï", "ASCII Python identifier"),
+])
+def test_namespaces_torch_uses_are_refused(tmp_path, ns, why):
+    if ns == "c10d" and not any(n.startswith("c10d::") for n in torch._C._dispatch_get_all_op_names()):
+        pytest.skip("this torch (built without distributed) registers no c10d ops")
+    with pytest.raises(ValueError, match=why):
+        vendor(tmp_path / "ns_copy", ns)
+    assert not (tmp_path / "ns_copy").exists()
+
+
+def test_top_level_copy_may_not_hide_a_module(tmp_path):
+    for name in ("portable_gemm", "json"):
+        with pytest.raises(ValueError, match="hide"):
+            vendor(tmp_path / name, "ns_hide")
+        assert not (tmp_path / name).exists()
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    vendor(tmp_path / "pkg" / "json", "ns_hide")  # pkg.json hides nothing
+    assert (tmp_path / "pkg" / "json" / "lib" / "manifest.json").is_file()
+
+
+def test_vendor_cli_reports_os_errors_and_import_hints(tmp_path):
+    main = "from portable_gemm.__main__ import main; import sys; sys.exit(main({}))"
+    proc = run_python(main.format(['vendor', '--into', '/proc/no_such_dir/_g', '--namespace', 'ns_os']))
+    assert proc.returncode == 2 and proc.stderr.startswith("vendor: ") and "Traceback" not in proc.stderr, proc.stderr
+    proc = run_python(main.format(['vendor', '--into', str(tmp_path / "mylib" / "_g"), '--namespace', 'ns_hint']))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"or add {tmp_path / 'mylib' / '__init__.py'} to import it as mylib._g" in proc.stdout, proc.stdout
+    assert "package data _g/*.so, _g/lib/*.so and _g/lib/manifest.json" in proc.stdout, proc.stdout
+
+
+def test_two_copies_under_one_namespace(tmp_path):
+    """Two packages that vendored under the same namespace: the second import fails at once,
+    naming the package that holds the namespace, without dlopening its older targets."""
+    for pkg in ("first_pkg", "second_pkg"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+        vendor(tmp_path / pkg / "_g", "shared_ns")
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(tmp_path)!r})
+import first_pkg._g as one
+try:
+    import second_pkg._g
+    print("SECOND IMPORTED")
+except ImportError as e:
+    print("ERROR", e)
+files = {{line.split()[-1] for line in open("/proc/self/maps") if "second_pkg/_g/lib/portable_gemm_cpu_t" in line}}
+print("MAPPED", len(files))
+print("FIRST", bool(torch.equal(one.gemm(torch.ones(2, 3), torch.ones(3, 4)), torch.full((2, 4), 3.0))))
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert ("ERROR second_pkg._g (portable_gemm vendored as torch.ops.shared_ns): torch.ops.shared_ns is already "
+            "defined in this process, by the package first_pkg._g") in out, out
+    assert f"--into {tmp_path / 'second_pkg' / '_g'} --namespace OTHER_NAME --force" in out, out
+    assert "MAPPED 1\n" in out, out  # the newest target's binding only, not all five
+    assert "FIRST True" in out, out
+
+
+def test_copy_names_itself_in_warnings_and_errors(tmp_path):
+    (tmp_path / "wpkg").mkdir()
+    (tmp_path / "wpkg" / "__init__.py").write_text("")
+    dest = vendor(tmp_path / "wpkg" / "_g", "ns_warn")
+    manifest = json.loads((dest / "lib" / "manifest.json").read_text())
+    newest = max((b for b in manifest["binaries"] if b.get("kind") == "binding" and b["device"] == "cpu"),
+                 key=lambda b: tuple(map(int, b["target"].split("."))))
+    (dest / "lib" / newest["file"]).write_bytes(b"damaged")
+    code = f"""
+import sys, warnings, torch
+warnings.simplefilter("always")
+sys.path.insert(0, {str(tmp_path)!r})
+import wpkg._g as g
+print("TARGET", g.info()["target"])
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wpkg._g (portable_gemm vendored as torch.ops.ns_warn): " in proc.stderr, proc.stderr[-2000:]
+    assert f"re-vendor the copy (python -m portable_gemm vendor --into {dest} --namespace ns_warn --force)" \
+        in proc.stderr, proc.stderr[-2000:]
+    assert "pip install --force-reinstall portable-gemm" not in proc.stderr
+
+
+def test_copy_door_under_another_python_says_why(tmp_path):
+    """A copy made under one Python holds that Python's DLPack module; imported under another,
+    its door says so (simulated: the module renamed to a tag no Python takes)."""
+    dest = vendor(tmp_path / "door_copy", "ns_door")
+    door = next(dest.glob("_dlpack*.so"))
+    door.rename(dest / "_dlpack.cpython-399-x86_64-linux-gnu.so")
+    proc = run_python(f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import door_copy.dlpack")
+    assert proc.returncode != 0
+    assert ("the DLPack door here is _dlpack.cpython-399-x86_64-linux-gnu.so, which cpython "
+            f"{sys.version_info.major}.{sys.version_info.minor} cannot import") in proc.stderr, proc.stderr[-2000:]
+    assert "the torch ops work on any Python" in proc.stderr
+
+
+def test_example_downstream_wheel_ships_the_copy(tmp_path):
+    """The README's recipe (examples/downstream_py/pyproject.toml + setup.py): mylib's wheel
+    carries every binary and the manifest, is a platform wheel, and works once installed."""
+    pytest.importorskip("setuptools", reason="pip wheel --no-build-isolation needs setuptools in this venv")
+    ex = tmp_path / "downstream_py"
+    shutil.copytree(REPO / "examples" / "downstream_py", ex, ignore=shutil.ignore_patterns("_gemm", "build"))
+    vendor(ex / "mylib" / "_gemm", "mylib_gemm")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "-w", str(tmp_path / "out"), str(ex)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    whl, = (tmp_path / "out").glob("mylib-*.whl")
+    assert not whl.name.endswith("-none-any.whl"), whl.name
+    import zipfile
+    names = set(zipfile.ZipFile(whl).namelist())
+    copied = {f"mylib/_gemm/{p.relative_to(ex / 'mylib' / '_gemm')}" for p in (ex / "mylib" / "_gemm").rglob("*")
+              if p.is_file() and "__pycache__" not in p.parts}
+    assert copied <= names, sorted(copied - names)
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                           str(whl)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(site)!r})
+import mylib
+x, w, b = torch.randn(5, 64), torch.randn(64, 24), torch.randn(24)
+z = x.double() @ w.double() + b.double()
+ref = z * torch.sigmoid(z)
+print("ERR", float((mylib.fused_linear(x, w, b).double() - ref).abs().max() / ref.abs().max()))
+print("LIB", mylib._gemm.info()["libraries"]["cpu"])
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(re.search(r"ERR (\S+)", proc.stdout).group(1)) < 1e-5, proc.stdout
+    assert re.search(r"LIB (\S+)", proc.stdout).group(1).startswith(str(site)), proc.stdout

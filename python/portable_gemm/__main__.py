@@ -18,8 +18,8 @@ PACKAGE = __package__ or "portable_gemm"
 
 
 def _is_vendored() -> bool:
-    """A vendored copy has no _vendor.py (python -m portable_gemm vendor leaves it out)."""
-    return not os.path.exists(os.path.join(HERE, "_vendor.py"))
+    """Whether this is a copy made by `python -m portable_gemm vendor` (its own namespace)."""
+    return importlib.import_module(f"{PACKAGE}._namespace").VENDORED
 
 
 def _loaded():
@@ -29,7 +29,7 @@ def _loaded():
         pg = importlib.import_module(PACKAGE)  # loads the binding here if torch is imported
         pg.info  # noqa: B018  (otherwise the first torch-facing name does)
     except ImportError as e:
-        print(e, file=sys.stderr)  # the loader's messages start with "portable_gemm: "
+        print(e, file=sys.stderr)  # the loader's messages start with the package's name
         return None
     return pg
 
@@ -130,13 +130,18 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             dest = vendor(args.into, args.namespace, force=args.force)
-        except (ValueError, FileExistsError, RuntimeError) as e:
+        except (ValueError, OSError, RuntimeError) as e:  # OSError: FileExistsError, a full disk, ...
             print(f"vendor: {e}", file=sys.stderr)
             return 2
-        how = (f"import it as {dest.parent.name}.{dest.name} (a subpackage of {dest.parent})"
-               if (dest.parent / "__init__.py").is_file() else
-               f"import it as {dest.name} with {dest.parent} on sys.path")
+        if (dest.parent / "__init__.py").is_file():
+            how = f"import it as {dest.parent.name}.{dest.name} (a subpackage of {dest.parent})"
+        else:
+            how = (f"import it as {dest.name} with {dest.parent} on sys.path, or add {dest.parent / '__init__.py'} "
+                   f"to import it as {dest.parent.name}.{dest.name}")
         print(f"vendored portable_gemm into {dest} (torch.ops.{args.namespace}); {how}")
+        print(f"to ship it in your wheel: package data {dest.name}/*.so, {dest.name}/lib/*.so and "
+              f"{dest.name}/lib/manifest.json, a platform wheel, torch>=2.9 among your dependencies "
+              "(README, 'Shipping a vendored copy')")
         return 0
     if args.cmd == "demo":
         import torch

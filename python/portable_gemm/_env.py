@@ -13,6 +13,8 @@ import sys
 import warnings
 from collections.abc import Mapping
 
+from ._namespace import WHO
+
 # PORTABLE_GEMM_ISA's names (the kernel library's cpu::isa_request; "amx" lowers nothing).
 CPU_ISA_NAMES = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
 # The executor name a binding reports when its CPU ops run on torch's own pool.
@@ -89,4 +91,4 @@ def warn_all(messages: list[str]) -> None:
         if frame is not None and not _bootstrap(frame.f_code.co_filename):
             level += 1
     for m in messages:
-        warnings.warn(f"portable_gemm: {m}", RuntimeWarning, stacklevel=level)
+        warnings.warn(f"{WHO}: {m}", RuntimeWarning, stacklevel=level)

@@ -13,19 +13,22 @@ import hashlib
 import json
 import os
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import _env
-from ._namespace import NAMESPACE
+from ._namespace import NAMESPACE, VENDORED, WHO
 from ._variant import Candidate, Selection, select_variant
 
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 ENV_TARGET = "PORTABLE_GEMM_TARGET"
 KERNELS_FILE = "libportable_gemm_kernels.so"  # when the manifest names no kernel library
-REINSTALL = "reinstall the wheel (pip install --force-reinstall portable-gemm)"
+REINSTALL = (f"re-vendor the copy (python -m portable_gemm vendor --into {LIB_DIR.parent} --namespace {NAMESPACE} "
+             f"--force) or reinstall the package that ships {__package__.split('.')[0]}" if VENDORED else
+             "reinstall the wheel (pip install --force-reinstall portable-gemm)")
 
 
 @dataclass
@@ -49,12 +52,12 @@ def read_manifest(lib_dir: Path = LIB_DIR) -> dict:
         with open(path) as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        raise ImportError(f"portable_gemm: {path} is missing; the installation is incomplete "
+        raise ImportError(f"{WHO}: {path} is missing; the installation is incomplete "
                           f"({REINSTALL})") from None
     except (OSError, ValueError) as e:
-        raise ImportError(f"portable_gemm: cannot read {path}: {e} ({REINSTALL})") from None
+        raise ImportError(f"{WHO}: cannot read {path}: {e} ({REINSTALL})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("binaries"), list):
-        raise ImportError(f"portable_gemm: {path} lists no binaries ({REINSTALL})")
+        raise ImportError(f"{WHO}: {path} lists no binaries ({REINSTALL})")
     return manifest
 
 
@@ -134,9 +137,40 @@ class _Binding:
 
     def register(self, namespace: str) -> None:
         err = ctypes.create_string_buffer(1024)
-        if self._register(namespace.encode(), err, len(err)) != 0:
+        rc = self._register(namespace.encode(), err, len(err))
+        if rc == 2:
+            raise NamespaceTaken(namespace)
+        if rc != 0:
             raise OSError(f"{self.path.name}: registering torch.ops.{namespace} failed: "
                           f"{err.value.decode(errors='replace')}")
+
+
+class NamespaceTaken(OSError):
+    """torch.ops.NS is defined already in this process: no target of this package can load."""
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+        super().__init__(f"torch.ops.{namespace} is already defined in this process")
+
+
+def _namespace_owner(namespace: str) -> str | None:
+    """The other imported package (the original or a vendored copy) whose namespace it is."""
+    ours = sys.modules.get(f"{__package__}._namespace")
+    for name, mod in list(sys.modules.items()):
+        if (name.endswith("._namespace") and mod is not None and mod is not ours
+                and getattr(mod, "NAMESPACE", None) == namespace):
+            return name.rpartition(".")[0]
+    return None
+
+
+def _namespace_taken_error(namespace: str) -> ImportError:
+    owner = _namespace_owner(namespace)
+    by = f"by the package {owner}" if owner else "by another library"
+    fix = (f"vendor this copy under a namespace of its own (python -m portable_gemm vendor --into "
+           f"{LIB_DIR.parent} --namespace OTHER_NAME --force)" if VENDORED else
+           "one process can load one portable_gemm package; vendored copies take namespaces of their own")
+    return ImportError(f"{WHO}: torch.ops.{namespace} is already defined in this process, {by}; two packages "
+                       f"cannot register one namespace: {fix}")
 
 
 def _load_binding(entry: dict, lib_dir: Path, expect_target: str, namespace: str) -> _Binding:
@@ -166,17 +200,17 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
         selection = select_variant(torch.__version__, list(cpu), forced,
                                    minimum=manifest.get("minimum_torch", "2.9"))
     except (ValueError, TypeError) as e:
-        raise ImportError(f"portable_gemm: {lib_dir / 'manifest.json'} holds a version that cannot be "
+        raise ImportError(f"{WHO}: {lib_dir / 'manifest.json'} holds a version that cannot be "
                           f"read: {e} ({REINSTALL})") from None
     if selection.error:
-        raise ImportError(f"portable_gemm: {selection.error}\ncandidates:\n{selection.explain()}")
+        raise ImportError(f"{WHO}: {selection.error}\ncandidates:\n{selection.explain()}")
 
     state = LoadState(namespace, torch.__version__, selection, manifest=manifest)
     kernels = lib_dir / _kernels_file(manifest)
     try:
         check_library_file(kernels)
     except OSError as e:
-        raise ImportError(f"portable_gemm: the kernel library cannot be used: {e} ({REINSTALL})") from None
+        raise ImportError(f"{WHO}: the kernel library cannot be used: {e} ({REINSTALL})") from None
     # The selected target first; if its binary cannot load, fall back to older eligible
     # ones (never when a target was forced: the user asked for that one).
     order = [c for c in selection.candidates if c.status == "selected"]
@@ -187,6 +221,8 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     for cand in order:
         try:
             binding = _load_binding(cpu[cand.target], lib_dir, cand.target, namespace)
+        except NamespaceTaken:  # no other target could register either: no fallback
+            raise _namespace_taken_error(namespace) from None
         except OSError as e:
             failures[cand.target] = str(e)
             continue
@@ -209,7 +245,7 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
             state.candidates.append(c)
     if binding is None:
         lines = "\n".join(f"  {c.target}: {c.status} - {c.reason}" for c in state.candidates)
-        raise ImportError(f"portable_gemm: no binding could be loaded for torch {torch.__version__}; "
+        raise ImportError(f"{WHO}: no binding could be loaded for torch {torch.__version__}; "
                           f"{REINSTALL}\ncandidates:\n{lines}")
     if fell_back:
         _env.warn_all([f"{fallback}; loaded target {state.target} instead ({REINSTALL})"])

@@ -21,7 +21,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from ._namespace import NAMESPACE as ORIGINAL_NAMESPACE
+from ._namespace import ORIGINAL as ORIGINAL_NAMESPACE
 
 HERE = Path(__file__).resolve().parent
 # What a vendored copy needs: Python sources, lib/ (binaries + manifest); headers and the
@@ -33,12 +33,35 @@ DT_NEEDED, DT_SONAME, DT_STRTAB, DT_STRSZ = 1, 14, 5, 10
 
 def _check_namespace(ns: str) -> None:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", ns) or keyword.iskeyword(ns):
-        raise ValueError(f"namespace {ns!r} must be a Python identifier (it becomes torch.ops.{ns})")
+        raise ValueError(f"namespace {ns!r} must be an ASCII Python identifier (it becomes torch.ops.{ns})")
     if ns in ("aten", "prim", "prims", "torch", "quantized", "_test"):
         raise ValueError(f"namespace {ns!r} belongs to torch; choose your project's own")
     if ns == ORIGINAL_NAMESPACE:
         raise ValueError(f"namespace {ns!r} is this package's own; a copy under it would clash with "
                          "the installed package; choose your project's own")
+    taken = _torch_namespaces()
+    if ns in taken:
+        raise ValueError(f"namespace {ns!r} is {taken[ns]}; choose your project's own")
+
+
+def _torch_namespaces() -> dict[str, str]:
+    """Names torch.ops.NS cannot take in a fresh process with torch imported: torch.ops'
+    own attributes (higher_order, load_library, ...) and the namespaces whose ops torch and
+    its built-in libraries register at import (c10d, inductor, ...).
+    Empty if torch cannot be imported here (the copy's loader then says so at import)."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    attributes = set(dir(torch.ops)) | set(dir(type(torch.ops)))  # its __dir__ lists namespaces only
+    taken = {name: "an attribute of torch.ops" for name in attributes if not name.startswith("__")}
+    try:
+        names = torch._C._dispatch_get_all_op_names()  # "ns::op" for every registered op
+    except AttributeError:
+        names = []
+    for name in names:
+        taken.setdefault(name.split("::", 1)[0], f"already registered in torch {torch.__version__}")
+    return taken
 
 
 def kernels_name(namespace: str, kernels_sha256: str) -> str:
@@ -56,8 +79,9 @@ def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path
     dest = Path(into).resolve()
     if dest == HERE or HERE in dest.parents:  # --force would delete what is being copied
         raise ValueError(f"{dest} is inside this installed package ({HERE}); vendor into your own project")
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", dest.name):
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", dest.name) or keyword.iskeyword(dest.name):
         raise ValueError(f"{dest.name!r} is not importable as a package name")
+    _check_not_shadowing(dest)
     if dest.exists() or dest.is_symlink():
         if not force:
             raise FileExistsError(f"{dest} exists; pass --force to replace it")
@@ -68,9 +92,16 @@ def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path
             raise FileExistsError(f"{dest} exists and is not a vendored copy (no lib/manifest.json and "
                                   "_namespace.py); --force replaces only an earlier copy, remove it yourself")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    _remove_stale_temporaries(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dest), dir=dest.parent))
     old = None
     try:
+        # mkdtemp makes the folder 0700: give it the mode a plain mkdir would (umask applied),
+        # or other users (a container's non-root USER, a shared checkout) see an empty
+        # namespace package
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
         for item in HERE.iterdir():
             if item.name in SKIP:
                 continue
@@ -79,14 +110,16 @@ def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path
                 shutil.copytree(item, target, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy2(item, target)
-        (tmp / "_namespace.py").write_text(
-            '"""The torch.ops namespace this vendored copy registers under (written by '
-            '`python -m portable_gemm vendor`)."""\n\n'
-            f"NAMESPACE = {namespace!r}\n")
+        ns_file = tmp / "_namespace.py"
+        text, n = re.subn(r"^NAMESPACE = .*$", f"NAMESPACE = {namespace!r}  # written by `python -m portable_gemm "
+                                                f"vendor`", ns_file.read_text(), count=1, flags=re.M)
+        if n != 1:
+            raise RuntimeError(f"{HERE / '_namespace.py'} has no NAMESPACE line; reinstall portable_gemm")
+        ns_file.write_text(text)
         manifest = _verify_copy(HERE / "lib", tmp / "lib")
         _rename_kernels(tmp, manifest, namespace)
         if dest.exists():  # an earlier copy: move it aside, put the new one in, then delete it
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
+            old = Path(tempfile.mkdtemp(prefix=_temp_prefix(dest) + "old-", dir=dest.parent))
             os.replace(dest, old / dest.name)
         os.replace(tmp, dest)
     except BaseException:
@@ -98,6 +131,52 @@ def vendor(into: str | os.PathLike, namespace: str, force: bool = False) -> Path
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def _temp_prefix(dest: Path) -> str:
+    """Work folders beside dest: hidden, named for the copy and the process that made them."""
+    return f".{dest.name}.vendoring-{os.getpid()}-"
+
+
+def _remove_stale_temporaries(dest: Path) -> None:
+    """Delete the work folders of earlier runs for dest whose process is gone (a run killed
+    by SIGKILL or SIGTERM cannot clean up; it leaves a partial copy of ~20 MB beside dest)."""
+    pattern = re.compile(re.escape(f".{dest.name}.vendoring-") + r"(\d+)-")
+    for path in dest.parent.iterdir():
+        m = pattern.match(path.name)
+        if not m or not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass  # alive (another user's) or not a pid: leave it
+
+
+def _check_not_shadowing(dest: Path) -> None:
+    """A top-level copy (its folder is not inside a package) must not take the name of a
+    module Python can already import: from that folder, `import NAME` would get the copy."""
+    if (dest.parent / "__init__.py").is_file():
+        return
+    if dest.name == ORIGINAL_NAMESPACE:
+        raise ValueError(f"{dest} would be imported as {dest.name!r} and hide the installed portable_gemm; "
+                         "vendor into a subpackage of your project (e.g. mylib/_gemm)")
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(dest.name)
+    except (ImportError, ValueError):
+        return
+    if spec is None:
+        return
+    places = [Path(p).resolve() for p in ([spec.origin] if spec.origin and spec.has_location else [])
+              + list(spec.submodule_search_locations or [])]
+    if any(p == dest or dest in p.parents for p in places):
+        return  # dest itself (an earlier copy, or an empty folder) is what Python finds
+    where = ", ".join(map(str, places)) or spec.origin or "built in"
+    raise ValueError(f"{dest.name!r} is already importable ({where}); a top-level copy of that name would "
+                     "hide it; choose another name or vendor into a subpackage of your project")
 
 
 def _verify_copy(src: Path, dst: Path) -> dict:

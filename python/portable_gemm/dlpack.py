@@ -46,8 +46,35 @@ different devices).
 import os
 
 from . import _env
-from ._dlpack import (build_info, cpu_isa, cpu_scratch_bytes, gemm, has_cuda, mixed_linear, quantize_weight,
-                      release_cpu_scratch)
+from ._namespace import WHO
+
+
+def _no_door_for_this_python(error: ImportError) -> ImportError:
+    """The door is a CPython extension: a cp311 one, or one cp312-abi3 module for 3.12 and
+    later. A copy made under one Python and imported under another has a module this one
+    cannot take (the torch ops, loaded with ctypes, do not care)."""
+    import glob
+    import importlib.machinery
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    built = sorted(os.path.basename(f) for f in glob.glob(os.path.join(here, "_dlpack*.so")))
+    if not built:
+        return error
+    this = f"{sys.implementation.name} {sys.version_info.major}.{sys.version_info.minor}"
+    return ImportError(f"{WHO}: the DLPack door here is {', '.join(built)}, which {this} cannot import (it takes "
+                       f"{' or '.join(importlib.machinery.EXTENSION_SUFFIXES)}); the torch ops work on any Python. "
+                       "Install portable_gemm for this Python (the cp312-abi3 wheel serves 3.12 and later), or "
+                       "vendor from one installed under it")
+
+
+try:
+    from ._dlpack import (build_info, cpu_isa, cpu_scratch_bytes, gemm, has_cuda, mixed_linear, quantize_weight,
+                          release_cpu_scratch)
+except ModuleNotFoundError as e:
+    if e.name != f"{__package__}._dlpack":
+        raise
+    raise _no_door_for_this_python(e) from None
 
 __all__ = ["gemm", "quantize_weight", "mixed_linear", "build_info", "cpu_isa", "has_cuda", "cpu_scratch_bytes",
            "release_cpu_scratch"]

@@ -374,7 +374,7 @@ int register_namespace(const char* ns, bool define, char* err, size_t errlen) no
       std::strncpy(err, e.what(), errlen - 1);
       err[errlen - 1] = '\0';
     }
-    return 1;
+    return dynamic_cast<const compat::NamespaceTaken*>(&e) ? 2 : 1;
   }
 }
 
@@ -382,5 +382,7 @@ int register_namespace(const char* ns, bool define, char* err, size_t errlen) no
 
 // Exported entry points every binding has (the loader's contract, see _loader.py):
 //   int  portable_gemm_register(const char* ns, char* err, size_t errlen)
+//        0 registered (or already, by this binary), 2 the namespace is defined already in
+//        this process (by another library), 1 any other failure; err says what happened
 //   const char* portable_gemm_binding_info()   JSON: target, device, features compiled in
 #define PG_BINDING_EXPORT extern "C" __attribute__((visibility("default")))

@@ -13,6 +13,13 @@ namespace portable_gemm::compat {
 
 using BoxedKernel = void (*)(StableIValue*, uint64_t, uint64_t);
 
+// torch refused to define the namespace's library: it is defined already (another copy of
+// portable_gemm, or another library, registered it in this process). The loader reports it
+// as such instead of trying older targets.
+struct NamespaceTaken : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // Owns nothing: registrations live as long as the process (deleting the handle would
 // unregister ops that Python code may still hold).
 class Library {
@@ -37,7 +44,10 @@ class Library {
   Library(const char* ns, const char* key) {
     AOTITorchError err = key ? aoti_torch_library_init_impl(ns, key, __FILE__, __LINE__, &handle_)
                              : aoti_torch_library_init_def(ns, __FILE__, __LINE__, &handle_);
-    check(err, key ? "open impl library for" : "define library", ns);
+    if (err != AOTI_TORCH_SUCCESS && !key)
+      throw NamespaceTaken(std::string("torch refused to define library '") + ns +
+                           "': the namespace is already defined in this process");
+    check(err, "open impl library for", ns);
   }
   static void check(AOTITorchError err, const char* what, const char* name) {
     if (err != AOTI_TORCH_SUCCESS)
