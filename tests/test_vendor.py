@@ -46,6 +46,20 @@ q, s = pg_copy.quantize_weight(w, bits=4, group_size=32)
 x = torch.randn(3, 64)
 assert torch.equal(pg_copy.mixed_linear(x, q, s, bits=4, group_size=32),
                    pg.mixed_linear(x, q, s, bits=4, group_size=32))
+# errors name the op as the namespace it was called through (the copy's C++ and Python alike)
+for fn, name in ((pg_copy.gemm, "downstream_ns.gemm"), (pg.gemm, "portable_gemm.gemm"),
+                 (lambda a, b: torch.ops.downstream_ns.gemm(a, b, None, 0), "downstream_ns.gemm"),
+                 (lambda a, b: torch.ops.portable_gemm.gemm(a, b, None, 0), "portable_gemm.gemm")):
+    try:
+        fn(torch.randn(3, 4), torch.randn(5, 6))
+        raise AssertionError("no error")
+    except RuntimeError as e:
+        assert str(e).startswith(name + ": "), (name, str(e))
+try:
+    pg_copy.gemm(torch.randn(3, 4), "b")
+    raise AssertionError("no error")
+except TypeError as e:
+    assert str(e).startswith("downstream_ns.gemm: b must be a torch.Tensor"), str(e)
 importlib.reload(pg_copy)          # importing the same copy again is harmless
 assert torch.equal(pg_copy.gemm(a, b, activation="relu"), r1)
 # each package runs its own kernel library: both are mapped, each from its own folder

@@ -156,7 +156,7 @@ def _raise_not_a_tensor(op: str, **args) -> None:
     for name, value in args.items():
         if not isinstance(value, _Tensor) and not (name == "bias" and value is None):
             got = "None" if value is None else type(value).__name__
-            raise TypeError(f"portable_gemm.{op}: {name} must be a torch.Tensor, got {got}")
+            raise TypeError(f"{NAMESPACE}.{op}: {name} must be a torch.Tensor, got {got}")
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
@@ -210,7 +210,7 @@ def mixed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
         _FOLLOW_THREADS()
     if _needs_autograd(x, bias, scales):
         if scales.requires_grad and _grad_enabled():
-            raise RuntimeError("portable_gemm.mixed_linear: scales require grad, but the quantised weight is "
+            raise RuntimeError(f"{NAMESPACE}.mixed_linear: scales require grad, but the quantised weight is "
                                "not differentiable (gradients flow to x and bias only); pass scales.detach()")
         return _ops().mixed_linear(x, qweight, scales, bits, group, bias, act)
     with _below_autograd():
@@ -221,7 +221,7 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
                       group_size: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The [N, K] weight that quantize_weight's output stands for (torch ops, any device).
     Checks qweight and scales as mixed_linear does."""
-    op = "portable_gemm.dequantize_weight"
+    op = f"{NAMESPACE}.dequantize_weight"
     if not (isinstance(qweight, _Tensor) and isinstance(scales, _Tensor)):
         _raise_not_a_tensor("dequantize_weight", qweight=qweight, scales=scales)
     bits, group = _bits_code(bits), _group_code(group_size)
@@ -314,7 +314,7 @@ def _scales_hint(scales, n, k) -> str:
 
 
 def _check_gemm(a, b, bias, activation):
-    op = "portable_gemm.gemm"
+    op = f"{NAMESPACE}.gemm"
     torch._check(a.dim() >= 1, lambda: f"{op}: a must have shape [..., K], got a 0-dim tensor")
     torch._check(b.dim() == 2, lambda: f"{op}: b must have shape [K, N], got {b.dim()} dims")
     _check_float(a, op, "a")
@@ -328,7 +328,7 @@ def _check_gemm(a, b, bias, activation):
 
 
 def _check_quantize(weight, bits, group_size):
-    op = "portable_gemm.quantize_weight"
+    op = f"{NAMESPACE}.quantize_weight"
     torch._check(weight.dim() == 2, lambda: f"{op}: weight must have shape [N, K] like nn.Linear.weight, "
                                             f"got {weight.dim()} dims")
     _check_float(weight, op, "weight")
@@ -340,7 +340,7 @@ def _check_quantize(weight, bits, group_size):
 
 
 def _check_mixed_linear(x, qweight, scales, bits, group_size, bias, activation):
-    op = "portable_gemm.mixed_linear"
+    op = f"{NAMESPACE}.mixed_linear"
     torch._check(x.dim() >= 1, lambda: f"{op}: x must have shape [..., K], got a 0-dim tensor")
     _check_float(x, op, "x")
     _check_qweight(qweight, bits, op)

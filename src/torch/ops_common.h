@@ -195,9 +195,20 @@ Tensor add_epilogue_and_output(Args& args, Matrix Args::*out_field, int64_t rows
   return out;
 }
 
+// "NS.gemm" and so on, the ops' names in error messages: NS is the namespace this binding
+// registered under (a vendored copy's own), set by register_namespace before the ops exist.
+struct OpNames {
+  std::string gemm = "portable_gemm.gemm", quantize_weight = "portable_gemm.quantize_weight",
+              mixed_linear = "portable_gemm.mixed_linear";
+};
+inline OpNames& op_names() {
+  static OpNames names;
+  return names;
+}
+
 template <class Backend>
 Tensor gemm(Tensor a, Tensor b, std::optional<Tensor> bias, int64_t activation) {
-  constexpr const char* op = "portable_gemm.gemm";
+  const char* op = op_names().gemm.c_str();
   PG_CHECK(a.dim() >= 1, op, ": a must have shape [..., K], got a 0-dim tensor");
   PG_CHECK(b.dim() == 2, op, ": b must have shape [K, N], got ", b.dim(), " dims");
   check_float(a, op, "a");
@@ -231,7 +242,7 @@ inline int64_t checked_group_size(int64_t group_size, int64_t K, const char* op)
 
 template <class Backend>
 std::tuple<Tensor, Tensor> quantize_weight(Tensor weight, int64_t bits, int64_t group_size) {
-  constexpr const char* op = "portable_gemm.quantize_weight";
+  const char* op = op_names().quantize_weight.c_str();
   PG_CHECK(weight.dim() == 2, op, ": weight must have shape [N, K] like nn.Linear.weight, got ",
            weight.dim(), " dims");
   check_float(weight, op, "weight");
@@ -262,7 +273,7 @@ std::tuple<Tensor, Tensor> quantize_weight(Tensor weight, int64_t bits, int64_t 
 template <class Backend>
 Tensor mixed_linear(Tensor x, Tensor qweight, Tensor scales, int64_t bits, int64_t group_size,
                     std::optional<Tensor> bias, int64_t activation) {
-  constexpr const char* op = "portable_gemm.mixed_linear";
+  const char* op = op_names().mixed_linear.c_str();
   PG_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dim tensor");
   check_float(x, op, "x");
   PG_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
@@ -361,6 +372,10 @@ int register_namespace(const char* ns, bool define, char* err, size_t errlen) no
     std::lock_guard<std::mutex> lock(mu);
     if (!ns || !*ns) throw std::runtime_error("empty namespace");
     if (done.count(ns)) return 0;
+    if (done.empty()) {  // the first namespace names the ops in messages (one per binary in practice)
+      const std::string n(ns);
+      op_names() = OpNames{n + ".gemm", n + ".quantize_weight", n + ".mixed_linear"};
+    }
     if (define) {
       auto def = compat::Library::def(ns);
       define_schemas(def);
