@@ -143,7 +143,7 @@ abi3() {
   whl=$(ls dist-abi3/portable_gemm-*-cp312-abi3-*.whl)
   [ -x "$rvenv/bin/python" ] || "$uv" venv -q --seed --python "$py_run" "$rvenv"
   "$uv" pip install -q --python "$rvenv/bin/python" "torch==$BUILD_TORCH" \
-    pytest numpy hypothesis expecttest "cmake>=3.24" ninja
+    pytest numpy hypothesis expecttest "cmake>=3.24" ninja "setuptools>=70.1"
   "$uv" pip install -q --python "$rvenv/bin/python" --reinstall --no-deps "$whl"
   log "abi3: pytest under $("$rvenv/bin/python" --version) with $whl"
   (cd tests && PG_DIST="$ROOT/dist-abi3" "$rvenv/bin/python" -m pytest -q "$@")
