@@ -158,14 +158,17 @@ run_pytest() {
 # the kernels below them (AVX-512 without bf16, AVX2, generic) are what other users' CPUs run.
 # PORTABLE_GEMM_ISA lowers the choice, and conftest refuses a run that did not get the units
 # it asked for. The C++ test (tests/cpp) covers every path too, with the kernel library alone.
-ISA_RANKS="generic avx2 avx512 avx512_bf16 amx"
 isa_paths() {
-  local native rank isa files=(test_gemm.py test_mixed_linear.py test_fuzz.py test_concurrency.py)
-  native=$(cd /tmp && "$VENV/bin/python" -c "import portable_gemm as p; print(p.info()['features']['cpu_isa'])")
-  case "$native" in generic) rank=0 ;; avx2) rank=1 ;; avx512) rank=2 ;; avx512+bf16) rank=3 ;; *amx*) rank=4 ;;
-    *) echo "isa-paths: unknown cpu_isa '$native'" >&2; return 1 ;; esac
-  if [ "$rank" = 0 ]; then echo "isa-paths: the CPU runs the generic kernels; none below them"; return 0; fi
-  for isa in $(echo "$ISA_RANKS" | cut -d' ' -f1-"$rank"); do
+  local units native lower isa files=(test_gemm.py test_mixed_linear.py test_fuzz.py test_concurrency.py)
+  # conftest's ISA_REQUESTS (request -> the cpu_isa info() reports), lowest first: the ones below this
+  # CPU's (a failure here ends the step: set -e)
+  units=$(cd tests && "$VENV/bin/python" -c "from conftest import ISA_REQUESTS as R
+import portable_gemm as p
+n = p.info()['features']['cpu_isa']
+print(n, ' '.join(list(R)[:list(R.values()).index(n)]))")
+  read -r native lower <<< "$units"
+  [ -n "$lower" ] || { echo "isa-paths: the CPU runs the $native kernels; none below them"; return 0; }
+  for isa in $lower; do
     log "CPU kernel tests with PORTABLE_GEMM_ISA=$isa (this CPU: $native)"
     (cd tests && PORTABLE_GEMM_ISA=$isa "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${files[@]}" -k "not cuda" "$@")
   done
