@@ -21,6 +21,19 @@ from pathlib import Path
 import pytest
 
 os.environ["PORTABLE_GEMM_FILL_OUTPUTS"] = "1"  # before torch's import, which may load portable_gemm
+# torch.compile's caches (FX graph, AOTAutograd) live under /tmp across runs, and their keys
+# leave out a custom op's Python kernels (fake, autograd, autocast): an entry compiled against
+# an older build of the package is reused for this one (an autocast rule added since then
+# went unseen, its graph served from the cache). One fresh cache per test session, inherited
+# by the child processes (AOTInductor packages); removed at exit. A cache chosen by the caller stays.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _compile_cache = tempfile.mkdtemp(prefix="portable_gemm-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _compile_cache
+    atexit.register(shutil.rmtree, _compile_cache, ignore_errors=True)
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
