@@ -5,7 +5,7 @@ torch.export with a dynamic batch and AOTInductor packages."""
 import aoti_check  # tests/aoti_check.py: the model, exported here and compiled in its child
 import pytest
 import torch
-from conftest import DEVICES, act_ref, assert_close, dequant_ref, rand
+from conftest import DEVICES, act_ref, assert_close, dequant_ref, gemm_ref, rand
 
 import portable_gemm as pg
 
@@ -116,6 +116,70 @@ def test_wrappers_skip_autograd_only_when_no_grad_is_needed(device):
     y.sum().backward()
     want = dequant_ref(q.cpu(), s.cpu(), 4, 32).sum(0).expand(3, 64)  # d(sum(x @ W.T)) / dx, float64
     assert_close(xr.grad.cpu(), want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_like_matmul(device, dtype):
+    # Under torch.autocast the ops follow torch.matmul / F.linear: fp32 inputs on the
+    # autocast's device run in its dtype, bit for bit the call with the inputs cast by hand;
+    # mixed_linear keeps its scales as stored (here fp32); float64 is left alone (and refused
+    # as without autocast). Through the wrappers and torch.ops alike.
+    ops = getattr(torch.ops, pg.info()["namespace"])
+    a = rand((9, 40), torch.float32, device).T  # [40, 9]: a strided view
+    b, bias = rand((9, 6), torch.float32, device), rand((6,), torch.float32, device)
+    w = rand((24, 64), torch.float32, device)
+    q, s = pg.quantize_weight(w, bits=4, group_size=32)
+    assert s.dtype == torch.float32
+    x, xbias = rand((3, 64), torch.float32, device), rand((24,), torch.float32, device)
+    want_gemm = pg.gemm(a.to(dtype), b.to(dtype), bias=bias.to(dtype), activation="gelu")
+    want_mixed = pg.mixed_linear(x.to(dtype), q, s, bits=4, group_size=32, bias=xbias.to(dtype))
+    with torch.autocast(device, dtype=dtype):
+        assert torch.matmul(a, b).dtype == dtype  # the rule being followed
+        got = [pg.gemm(a, b, bias=bias, activation="gelu"), ops.gemm(a, b, bias, 3)]
+        mixed = [pg.mixed_linear(x, q, s, bits=4, group_size=32, bias=xbias),
+                 ops.mixed_linear(x, q, s, 4, 32, xbias, 0)]
+        with pytest.raises(RuntimeError, match="a must be float32, float16 or bfloat16, got float64"):
+            pg.gemm(a.double(), b.double())
+    for y in got:
+        assert y.dtype == dtype and torch.equal(y, want_gemm)
+    for y in mixed:
+        assert y.dtype == dtype and torch.equal(y, want_mixed)
+    assert_close(got[0], gemm_ref(a, b, bias, "gelu"), dtype, tol=2e-2)  # and the cast inputs' result is right
+    with torch.autocast(device, dtype=dtype, enabled=False):
+        assert pg.gemm(a, b).dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_gradients_reach_the_fp32_inputs(device):
+    # The casts are recorded by autograd: an fp32 leaf used under autocast gets an fp32 gradient.
+    dtype = torch.get_autocast_dtype(device)
+    a = rand((5, 32), torch.float32, device).requires_grad_()
+    b = rand((32, 7), torch.float32, device).requires_grad_()
+    with torch.autocast(device):
+        y = pg.gemm(a, b)
+    assert y.dtype == dtype
+    y.float().sum().backward()
+    assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    assert_close(a.grad.cpu(), b.detach().cpu().double().sum(1).expand(5, 32), dtype)
+    assert_close(b.grad.cpu(), a.detach().cpu().double().sum(0)[:, None].expand(32, 7), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_under_compile(device):
+    # torch.compile traces the autocast rule: the compiled graph casts as eager does.
+    torch._dynamo.reset()
+    w = rand((32, 48), torch.float32, device)
+    q, s = pg.quantize_weight(w, bits=8)
+
+    def f(x, b):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return pg.mixed_linear(pg.gemm(x, b, activation="silu"), q, s, bits=8)
+
+    x, b = rand((6, 40), torch.float32, device), rand((40, 48), torch.float32, device)
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, b)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, f(x, b))
 
 
 @pytest.mark.parametrize("device", DEVICES)

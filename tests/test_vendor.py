@@ -60,6 +60,10 @@ try:
     raise AssertionError("no error")
 except TypeError as e:
     assert str(e).startswith("downstream_ns.gemm: b must be a torch.Tensor"), str(e)
+# the copy's autocast rule is registered under its namespace too
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    assert torch.ops.downstream_ns.gemm(a, b, None, 1).dtype == torch.bfloat16
+    assert torch.equal(pg_copy.gemm(a, b), pg.gemm(a, b))
 importlib.reload(pg_copy)          # importing the same copy again is harmless
 assert torch.equal(pg_copy.gemm(a, b, activation="relu"), r1)
 # each package runs its own kernel library: both are mapped, each from its own folder
@@ -217,6 +221,8 @@ def test_quantized_linear_module():
     ref = x.double() @ w.T + lin.bias.double()
     out = m(x)
     assert_close(out, ref, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 activations run as bf16
+        assert torch.equal(m(x.float()), out)
     m2 = pg.nn.QuantizedLinear(256, 96, bits=4, group_size=128)
     m2.load_state_dict(m.state_dict())
     assert torch.equal(m2(x), out)

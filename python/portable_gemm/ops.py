@@ -448,3 +448,36 @@ torch.library.register_autograd(f"{NAMESPACE}::mixed_linear", _mixed_backward,
 # require grad (without this, a weight that requires grad gave `scales` a grad_fn that warns
 # "an autograd kernel was not registered", and opcheck failed).
 _LIB.impl("quantize_weight", torch.library.fallthrough_kernel, "Autograd")
+
+
+# ---- autocast -----------------------------------------------------------------------------
+# Under torch.autocast the ops follow torch.matmul and F.linear (autocast's lower-precision
+# list): their floating inputs on the autocast's device, float64 excepted, are cast to the
+# autocast dtype (torch.get_autocast_dtype: bf16 on the CPU, fp16 on CUDA unless chosen), and
+# the op runs with that device's autocast off. mixed_linear casts x and bias only: its scales
+# are part of the quantised weight and stay as stored (the kernels take any float scales).
+
+def _autocast_cast(t, device_type: str, dtype: torch.dtype):
+    if isinstance(t, _Tensor) and t.is_floating_point() and t.dtype != torch.float64 \
+            and t.device.type == device_type:
+        return t.to(dtype)
+    return t
+
+
+def _register_autocast(name: str, cast_positions: tuple[int, ...]) -> None:
+    op = getattr(_ops(), name).default
+    for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+        off = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(_keyset, *args, _device_type=device_type, _off=off):
+            dtype = torch.get_autocast_dtype(_device_type)
+            args = tuple(_autocast_cast(a, _device_type, dtype) if i in cast_positions else a
+                         for i, a in enumerate(args))
+            with torch._C._ExcludeDispatchKeyGuard(_off):
+                return op(*args)
+
+        _LIB.impl(name, kernel, key, with_keyset=True)
+
+
+_register_autocast("gemm", (0, 1, 2))          # a, b, bias
+_register_autocast("mixed_linear", (0, 5))     # x, bias (not scales)
