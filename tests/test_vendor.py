@@ -143,6 +143,11 @@ a, b = np.random.rand(5, 12).astype(np.float32), np.random.rand(12, 3).astype(np
 out = d.gemm(a, b)
 err = np.abs(out.astype(np.float64) - a.astype(np.float64) @ b.astype(np.float64)).max()
 assert err < 1e-5, err
+try:
+    d.gemm(a, a)
+    raise AssertionError("no error")
+except ValueError as e:  # the copy's errors name the copy
+    assert str(e).startswith("pg_copy.dlpack.gemm: "), str(e)
 maps = open("/proc/self/maps").read()
 assert {str((vendored / "pg_copy" / "lib").resolve())!r} + "/libpgk" in maps
 assert "{KERNELS}" not in maps, "the copy's DLPack door loaded the original kernel library"

@@ -40,7 +40,8 @@ freeing it a device-wide synchronising cudaFree (the door cannot know which stre
 consumer used), which dominates small calls; with ``out`` a call allocates nothing at M <= 64,
 and a CUDA graph can capture it.
 Bad input raises TypeError (dtype, kind of array) or ValueError (shapes, arguments, arrays on
-different devices).
+different devices); the message begins with the function's full name
+(``portable_gemm.dlpack.gemm: ...``; a vendored copy's own module name).
 """
 
 import os
@@ -69,8 +70,8 @@ def _no_door_for_this_python(error: ImportError) -> ImportError:
 
 
 try:
-    from ._dlpack import (build_info, cpu_isa, cpu_scratch_bytes, gemm, has_cuda, mixed_linear, quantize_weight,
-                          release_cpu_scratch)
+    from ._dlpack import (_set_error_prefix, build_info, cpu_isa, cpu_scratch_bytes, gemm, has_cuda, mixed_linear,
+                          quantize_weight, release_cpu_scratch)
 except ModuleNotFoundError as e:
     if e.name != f"{__package__}._dlpack":
         raise
@@ -79,4 +80,5 @@ except ModuleNotFoundError as e:
 __all__ = ["gemm", "quantize_weight", "mixed_linear", "build_info", "cpu_isa", "has_cuda", "cpu_scratch_bytes",
            "release_cpu_scratch"]
 
+_set_error_prefix(__name__ + ".")  # a vendored copy's errors name the copy
 _env.warn_all(_env.problems(os.environ, cpu_isa=cpu_isa()))

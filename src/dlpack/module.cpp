@@ -422,6 +422,23 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
   return out.to_python(x_obj, bf16_bits);
 }
 
+// The door's errors begin with the function as Python reaches it, like the torch ops' errors
+// ("portable_gemm.dlpack.gemm: b must ..."; a vendored copy's module name instead, set by
+// dlpack.py at import through _set_error_prefix).
+std::string& error_prefix() {
+  static std::string prefix = "portable_gemm.dlpack.";
+  return prefix;
+}
+
+template <class F>
+auto named(const char* fn, F&& body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const nb::builtin_exception& e) {
+    throw nb::builtin_exception(e.type(), (error_prefix() + fn + ": " + e.what()).c_str());
+  }
+}
+
 }  // namespace
 
 NB_MODULE(_dlpack, m) {
@@ -432,17 +449,21 @@ NB_MODULE(_dlpack, m) {
   m.def("gemm",
         [](nb::handle a_obj, nb::handle b_obj, std::optional<nb::handle> bias_obj, const std::string& act,
            bool bf16_bits, uintptr_t stream, std::optional<nb::handle> out_obj) {
-          Array a = as_array(a_obj, "a"), b = as_array(b_obj, "b");
-          std::optional<Array> bias;
-          if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
-          if (out_obj && out_obj->is_none()) out_obj.reset();
-          return gemm(a_obj, a, b, bias, act, bf16_bits, stream, out_obj);
+          return named("gemm", [&] {
+            Array a = as_array(a_obj, "a"), b = as_array(b_obj, "b");
+            std::optional<Array> bias;
+            if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
+            if (out_obj && out_obj->is_none()) out_obj.reset();
+            return gemm(a_obj, a, b, bias, act, bf16_bits, stream, out_obj);
+          });
         },
         nb::arg("a"), nb::arg("b"), nb::arg("bias").none() = nb::none(), nb::arg("activation") = "none",
         nb::arg("bf16_bits") = false, nb::arg("stream") = 0, nb::arg("out").none() = nb::none());
   m.def("quantize_weight",
         [](nb::handle w_obj, int bits, std::optional<int64_t> group_size, bool bf16_bits, uintptr_t stream) {
-          return quantize_weight(w_obj, as_array(w_obj, "weight"), bits, group_size, bf16_bits, stream);
+          return named("quantize_weight", [&] {
+            return quantize_weight(w_obj, as_array(w_obj, "weight"), bits, group_size, bf16_bits, stream);
+          });
         },
         nb::arg("weight"), nb::arg("bits"), nb::arg("group_size").none() = nb::none(),
         nb::arg("bf16_bits") = false, nb::arg("stream") = 0);
@@ -450,16 +471,20 @@ NB_MODULE(_dlpack, m) {
         [](nb::handle x_obj, nb::handle q_obj, nb::handle s_obj, int bits, std::optional<int64_t> group_size,
            std::optional<nb::handle> bias_obj, const std::string& act, bool bf16_bits, uintptr_t stream,
            std::optional<nb::handle> out_obj) {
-          std::optional<Array> bias;
-          if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
-          if (out_obj && out_obj->is_none()) out_obj.reset();
-          return mixed_linear(x_obj, as_array(x_obj, "x"), as_array(q_obj, "qweight"), as_array(s_obj, "scales"), bits,
-                              group_size, bias, act, bf16_bits, stream, out_obj);
+          return named("mixed_linear", [&] {
+            std::optional<Array> bias;
+            if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
+            if (out_obj && out_obj->is_none()) out_obj.reset();
+            return mixed_linear(x_obj, as_array(x_obj, "x"), as_array(q_obj, "qweight"), as_array(s_obj, "scales"),
+                                bits, group_size, bias, act, bf16_bits, stream, out_obj);
+          });
         },
         nb::arg("x"), nb::arg("qweight"), nb::arg("scales"), nb::arg("bits"),
         nb::arg("group_size").none() = nb::none(), nb::arg("bias").none() = nb::none(),
         nb::arg("activation") = "none", nb::arg("bf16_bits") = false, nb::arg("stream") = 0,
         nb::arg("out").none() = nb::none());
+  m.def("_set_error_prefix", [](const std::string& prefix) { error_prefix() = prefix; },
+        "Sets what the door's error messages begin with (dlpack.py: its module name and a dot).");
   m.def("build_info", [] { return std::string(pg::build_info()); },
         "The kernel library's build in one line: version, compiler, CUDA toolkit and archs.");
   m.def("cpu_isa", [] { return std::string(pg::cpu::isa()); },
