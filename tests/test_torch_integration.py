@@ -183,6 +183,43 @@ def test_autocast_under_compile(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_vmap(device):
+    # Each op has a batching rule: a batch over a / x alone is one call (the dimension moved to
+    # the front), bit for bit the direct call; a batch over the weights or the bias is one call
+    # per element, bit for bit that loop. Nested vmap and a gradient through vmap (the wrappers
+    # must not skip autograd on vmap's wrappers, whose requires_grad reads False).
+    ns = pg.info()["namespace"]
+    for name in ("gemm", "mixed_linear"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"{ns}::{name}", "FuncTorchBatched")
+    a, b, bias = rand((5, 4, 24), torch.float32, device), rand((24, 7), torch.float32, device), rand((7,), torch.float32, device)
+    got = torch.vmap(lambda t: pg.gemm(t, b, bias=bias, activation="silu"), in_dims=1)(a)
+    assert torch.equal(got, pg.gemm(a.movedim(1, 0), b, bias=bias, activation="silu"))
+    bs, biases = rand((3, 24, 7), torch.float32, device), rand((3, 7), torch.float32, device)
+    got = torch.vmap(lambda w, c: pg.gemm(a, w, bias=c))(bs, biases)
+    assert got.shape == (3, 5, 4, 7)
+    assert torch.equal(got, torch.stack([pg.gemm(a, bs[i], bias=biases[i]) for i in range(3)]))
+    assert torch.equal(torch.vmap(torch.vmap(lambda t: pg.gemm(t, b)))(a), pg.gemm(a, b))
+    assert_close(torch.vmap(pg.gemm)(a[:3], bs), torch.stack([gemm_ref(a[i], bs[i]) for i in range(3)]),
+                 torch.float32)
+
+    w = rand((3, 16, 64), torch.bfloat16, device)
+    q, s = pg.quantize_weight(w[0], bits=4, group_size=32)
+    x = rand((6, 2, 64), torch.bfloat16, device)
+    mixed = torch.vmap(lambda t: pg.mixed_linear(t, q, s, bits=4, group_size=32, activation="relu"))(x)
+    assert torch.equal(mixed, pg.mixed_linear(x, q, s, bits=4, group_size=32, activation="relu"))
+    qs, ss = zip(*(pg.quantize_weight(w[i], bits=8) for i in range(3)))
+    got = torch.vmap(lambda qi, si: pg.mixed_linear(x, qi, si, bits=8))(torch.stack(qs), torch.stack(ss))
+    assert torch.equal(got, torch.stack([pg.mixed_linear(x, qs[i], ss[i], bits=8) for i in range(3)]))
+
+    xr = rand((3, 5, 24), torch.float32, device).requires_grad_()
+    torch.vmap(lambda t: pg.gemm(t, b))(xr).sum().backward()
+    assert_close(xr.grad.cpu(), b.cpu().double().sum(1).expand(3, 5, 24), torch.float32)
+    xr = rand((3, 2, 64), torch.bfloat16, device).requires_grad_()
+    torch.vmap(lambda t: pg.mixed_linear(t, q, s, bits=4, group_size=32))(xr).sum().backward()
+    assert_close(xr.grad.cpu(), dequant_ref(q.cpu(), s.cpu(), 4, 32).sum(0).expand(3, 2, 64), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_export_keeps_the_ops_and_a_dynamic_batch(device):
     # torch.export traces through the fake kernels with a symbolic batch; the exported
     # program calls the same ops and gives the eager result bit for bit at other batches.
