@@ -40,7 +40,8 @@ freeing it a device-wide synchronising cudaFree (the door cannot know which stre
 consumer used), which dominates small calls; with ``out`` a call allocates nothing at M <= 64,
 and a CUDA graph can capture it.
 Bad input raises TypeError (dtype, kind of array) or ValueError (shapes, arguments, arrays on
-different devices); the message begins with the function's full name
+different devices); once the arguments are parsed (nanobind's own "incompatible function
+arguments" errors aside), the message begins with the function's full name
 (``portable_gemm.dlpack.gemm: ...``; a vendored copy's own module name).
 """
 

@@ -430,12 +430,17 @@ std::string& error_prefix() {
   return prefix;
 }
 
+// `checks`: how the kernel library's checks name the function ("gemm: a.cols (K) must ..."),
+// dropped from their messages so that the name comes once.
 template <class F>
-auto named(const char* fn, F&& body) -> decltype(body()) {
+auto named(const char* fn, const char* checks, F&& body) -> decltype(body()) {
   try {
     return body();
   } catch (const nb::builtin_exception& e) {
-    throw nb::builtin_exception(e.type(), (error_prefix() + fn + ": " + e.what()).c_str());
+    std::string what = e.what();
+    const std::string theirs = std::string(checks) + ": ";
+    if (what.compare(0, theirs.size(), theirs) == 0) what.erase(0, theirs.size());
+    throw nb::builtin_exception(e.type(), (error_prefix() + fn + ": " + what).c_str());
   }
 }
 
@@ -449,7 +454,7 @@ NB_MODULE(_dlpack, m) {
   m.def("gemm",
         [](nb::handle a_obj, nb::handle b_obj, std::optional<nb::handle> bias_obj, const std::string& act,
            bool bf16_bits, uintptr_t stream, std::optional<nb::handle> out_obj) {
-          return named("gemm", [&] {
+          return named("gemm", "gemm", [&] {
             Array a = as_array(a_obj, "a"), b = as_array(b_obj, "b");
             std::optional<Array> bias;
             if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
@@ -461,7 +466,7 @@ NB_MODULE(_dlpack, m) {
         nb::arg("bf16_bits") = false, nb::arg("stream") = 0, nb::arg("out").none() = nb::none());
   m.def("quantize_weight",
         [](nb::handle w_obj, int bits, std::optional<int64_t> group_size, bool bf16_bits, uintptr_t stream) {
-          return named("quantize_weight", [&] {
+          return named("quantize_weight", "quantize", [&] {
             return quantize_weight(w_obj, as_array(w_obj, "weight"), bits, group_size, bf16_bits, stream);
           });
         },
@@ -471,7 +476,7 @@ NB_MODULE(_dlpack, m) {
         [](nb::handle x_obj, nb::handle q_obj, nb::handle s_obj, int bits, std::optional<int64_t> group_size,
            std::optional<nb::handle> bias_obj, const std::string& act, bool bf16_bits, uintptr_t stream,
            std::optional<nb::handle> out_obj) {
-          return named("mixed_linear", [&] {
+          return named("mixed_linear", "mixed_linear", [&] {
             std::optional<Array> bias;
             if (bias_obj && !bias_obj->is_none()) bias = as_array(*bias_obj, "bias");
             if (out_obj && out_obj->is_none()) out_obj.reset();
