@@ -246,6 +246,12 @@ def test_scales_requiring_grad_are_refused():
     with torch.no_grad():
         assert pg.mixed_linear(x, q, s, bits=8).shape == (2, 8)
     assert pg.mixed_linear(x, q, s.detach(), bits=8).shape == (2, 8)
+    # also through torch.ops, and under vmap (whose wrappers read requires_grad False)
+    ops = getattr(torch.ops, pg.info()["namespace"])
+    with pytest.raises(RuntimeError, match=r"mixed_linear: scales require grad"):
+        ops.mixed_linear(x, q, s, 8, 0, None, 0)
+    with pytest.raises(RuntimeError, match=r"mixed_linear: scales require grad"):
+        torch.vmap(lambda qi, si: pg.mixed_linear(x, qi, si, bits=8))(torch.stack([q, q]), torch.stack([s, s]))
 
 
 def test_version_without_torch_or_binaries():

@@ -211,12 +211,45 @@ def test_vmap(device):
     got = torch.vmap(lambda qi, si: pg.mixed_linear(x, qi, si, bits=8))(torch.stack(qs), torch.stack(ss))
     assert torch.equal(got, torch.stack([pg.mixed_linear(x, qs[i], ss[i], bits=8) for i in range(3)]))
 
+    # edges: a 0-dim a per element is refused as the op refuses it (not read as K = the batch);
+    # a batch of none over the weights has the shape torch's matmul gives, and is still checked
+    with pytest.raises(RuntimeError, match="a must have shape \\[..., K\\], got a 0-dim tensor"):
+        torch.vmap(lambda t: pg.gemm(t, b))(rand((24,), torch.float32, device))
+    empty = torch.vmap(lambda w: pg.gemm(a, w, bias=bias))(bs[:0])
+    assert empty.shape == (0, 5, 4, 7) == torch.vmap(lambda w: a @ w)(bs[:0]).shape and empty.device == a.device
+    with pytest.raises(RuntimeError, match="a has K = 24 columns but b has 23 rows"):
+        torch.vmap(lambda w: pg.gemm(a, w))(bs[:0, 1:])
+
     xr = rand((3, 5, 24), torch.float32, device).requires_grad_()
     torch.vmap(lambda t: pg.gemm(t, b))(xr).sum().backward()
     assert_close(xr.grad.cpu(), b.cpu().double().sum(1).expand(3, 5, 24), torch.float32)
     xr = rand((3, 2, 64), torch.bfloat16, device).requires_grad_()
     torch.vmap(lambda t: pg.mixed_linear(t, q, s, bits=4, group_size=32))(xr).sum().backward()
     assert_close(xr.grad.cpu(), dequant_ref(q.cpu(), s.cpu(), 4, 32).sum(0).expand(3, 2, 64), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_mode_ad_is_refused(device):
+    # The ops have no forward derivative: torch would give a zero (torch.func) or missing
+    # (forward_ad) tangent without a word, so the wrappers refuse an input that carries one.
+    # A call whose inputs carry no tangent inside such a transform runs.
+    import torch.autograd.forward_ad as fwAD
+    a, b = rand((5, 24), torch.float32, device), rand((24, 7), torch.float32, device)
+    q, s = pg.quantize_weight(rand((7, 24), torch.float32, device), bits=8)
+    refused = pytest.raises(NotImplementedError, match="forward-mode AD .* is not supported")
+    with refused:
+        torch.func.jvp(lambda t: pg.gemm(t, b), (a,), (torch.ones_like(a),))
+    with refused:
+        torch.func.jacfwd(lambda t: pg.mixed_linear(t, q, s, bits=8))(a)
+    with refused:
+        torch.func.jvp(lambda w: pg.gemm(a, w), (b,), (torch.ones_like(b),))
+    with fwAD.dual_level():
+        with refused:
+            pg.gemm(fwAD.make_dual(a, torch.ones_like(a)), b)
+        assert pg.gemm(a, b).shape == (5, 7)
+    out, tangent = torch.func.jvp(lambda t: t * 2 + pg.gemm(a, b).sum(), (torch.ones(3, device=device),),
+                                  (torch.ones(3, device=device),))
+    assert torch.equal(tangent, torch.full((3,), 2.0, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

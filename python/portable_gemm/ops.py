@@ -43,19 +43,47 @@ def _needs_autograd(*tensors) -> bool:
     generator expression here cost ~0.5 us of a decode-size call's host time.)"""
     if _is_compiling():
         return True
+    transform = _functorch_transform()
+    if transform is not None or _forward_ad._current_level >= 0:
+        _refuse_forward_ad(tensors, transform)
     if not _grad_enabled():
         return False
     for t in tensors:
         if t is not None and t.requires_grad:
             return True
     # inside torch.vmap the inputs are batched wrappers whose requires_grad reads False even
-    # when the tensor they wrap requires grad (~40 ns, only on calls with grad mode on)
-    return _functorch_transform() is not None
+    # when the tensor they wrap requires grad
+    return transform is not None
+
+
+def _refuse_forward_ad(tensors, transform) -> None:
+    """The ops have no forward derivative: torch would give their outputs a zero tangent
+    (torch.func.jvp, jacfwd) or none (torch.autograd.forward_ad) without a word. Refused when
+    an input carries a tangent (functorch: an input wrapped while a jvp transform is active)."""
+    dual = False
+    if _forward_ad._current_level >= 0:
+        dual = any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    if not dual and transform is not None:
+        jvp = any(i.key() == _Jvp for i in _functorch_interpreters())
+        dual = jvp and any(t is not None and _functorch_wrapped(t) for t in tensors)
+    if dual:
+        raise NotImplementedError(
+            f"{NAMESPACE}: forward-mode AD (torch.func.jvp / jacfwd / hessian, torch.autograd.forward_ad) is not "
+            "supported: the ops have no forward derivative, and their tangent would silently read zero. "
+            "Use reverse mode (backward(), torch.autograd.grad)")
 
 
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _functorch_transform = torch._C._functorch.peek_interpreter_stack
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_Jvp = torch._C._functorch.TransformType.Jvp
+_forward_ad = torch.autograd.forward_ad
+
+
+def _functorch_interpreters():
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    return retrieve_all_functorch_interpreters()
 
 
 def _direct(name: str):
@@ -212,9 +240,6 @@ def mixed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
     if _FOLLOW_THREADS is not None:
         _FOLLOW_THREADS()
     if _needs_autograd(x, bias, scales):
-        if scales.requires_grad and _grad_enabled():
-            raise RuntimeError(f"{NAMESPACE}.mixed_linear: scales require grad, but the quantised weight is "
-                               "not differentiable (gradients flow to x and bias only); pass scales.detach()")
         return _ops().mixed_linear(x, qweight, scales, bits, group, bias, act)
     with _below_autograd():
         return _MIXED_LINEAR_DIRECT(x, qweight, scales, bits, group, bias, act)
@@ -425,6 +450,11 @@ torch.library.register_autograd(f"{NAMESPACE}::gemm", _gemm_backward, setup_cont
 
 def _mixed_setup(ctx, inputs, output):
     x, qweight, scales, bits, group_size, bias, activation = inputs
+    # here, not in the wrapper: this sees the real tensors also under vmap (whose wrappers
+    # read requires_grad False) and for torch.ops callers
+    if scales.requires_grad:
+        raise RuntimeError(f"{NAMESPACE}.mixed_linear: scales require grad, but the quantised weight is "
+                           "not differentiable (gradients flow to x and bias only); pass scales.detach()")
     ctx.save_for_backward(x, qweight, scales, bias)
     ctx.bits, ctx.group_size, ctx.activation = bits, group_size, activation
 
@@ -495,9 +525,17 @@ def _register_vmap(name: str) -> None:
     op = getattr(_ops(), name).default
 
     def rule(info, in_dims, *args):
-        if all(d is None for d in in_dims[1:]):
+        if all(d is None for d in in_dims[1:]) and args[0].dim() >= 2:  # (a 0-dim a / x is refused below)
             first = args[0].movedim(in_dims[0], 0)
             return op(first, *args[1:]), 0
+        if info.batch_size == 0:  # one element's checks and shape, from the fake kernel on meta tensors
+            def meta(a, d):
+                if not isinstance(a, _Tensor):
+                    return a
+                return a.new_empty(a.shape if d is None else a.shape[:d] + a.shape[d + 1:], device="meta")
+
+            one = op(*(meta(a, d) for a, d in zip(args, in_dims)))
+            return args[0].new_empty((0, *one.shape), dtype=one.dtype), 0
         per_item = [[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)]
                     for i in range(info.batch_size)]
         return torch.stack([op(*item) for item in per_item]), 0
