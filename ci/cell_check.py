@@ -6,8 +6,9 @@ portable_gemm wheel under test (installed, not the source tree).
     python ci/cell_check.py --expect-error "requires torch >= 2.9"     # a refused release
 
 Checks that the loader picked the expected target, that info() is sane, runs every op on
-CPU against a float64 reference, torch.library.opcheck on the gemm op, one
-torch.compile(fullgraph=True) call, and (CUDA builds of torch) that the CUDA binding was
+CPU against a float64 reference, torch.library.opcheck on the gemm op, the autocast and vmap
+rules (and forward-mode AD refused), one torch.compile(fullgraph=True) call, and (CUDA builds
+of torch) that the CUDA binding was
 dlopen'ed (it loads without a GPU). Prints progress, then one line
 
     CELL_RESULT {"passed": N, "failed": M, ...}
@@ -267,6 +268,44 @@ def check_compile(pg, torch):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def check_autocast(pg, torch):
+    """Under CPU autocast (bf16) both ops run in bf16, bit for bit the call with the inputs cast
+    by hand; mixed_linear keeps its fp32 scales."""
+    g = torch.Generator().manual_seed(2)
+    a, b, bias = torch.randn(6, 40, generator=g), torch.randn(40, 9, generator=g), torch.randn(9, generator=g)
+    q, s = pg.quantize_weight(torch.randn(9, 64, generator=g), bits=4, group_size=32)
+    x = torch.randn(3, 64, generator=g)
+    want = pg.gemm(a.bfloat16(), b.bfloat16(), bias=bias.bfloat16(), activation="relu")
+    want_mixed = pg.mixed_linear(x.bfloat16(), q, s, bits=4, group_size=32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = pg.gemm(a, b, bias=bias, activation="relu")
+        got_mixed = pg.mixed_linear(x, q, s, bits=4, group_size=32)
+    if got.dtype != torch.bfloat16 or not torch.equal(got, want):
+        raise AssertionError(f"gemm under autocast: {got.dtype}, equal to the hand-cast call: {torch.equal(got, want)}")
+    if got_mixed.dtype != torch.bfloat16 or not torch.equal(got_mixed, want_mixed):
+        raise AssertionError(f"mixed_linear under autocast: {got_mixed.dtype}")
+
+
+def check_vmap(pg, torch):
+    """vmap over a (one call) and over b (one call per element) equal the direct call and the
+    loop; a gradient flows through vmap; forward-mode AD is refused."""
+    g = torch.Generator().manual_seed(3)
+    a, b, bs = torch.randn(4, 5, 24, generator=g), torch.randn(24, 7, generator=g), torch.randn(3, 24, 7, generator=g)
+    if not torch.equal(torch.vmap(lambda t: pg.gemm(t, b), in_dims=1)(a), pg.gemm(a.movedim(1, 0), b)):
+        raise AssertionError("vmap over a differs from the direct call")
+    if not torch.equal(torch.vmap(lambda w: pg.gemm(a, w))(bs), torch.stack([pg.gemm(a, w) for w in bs])):
+        raise AssertionError("vmap over b differs from the loop")
+    x = a.clone().requires_grad_()
+    torch.vmap(lambda t: pg.gemm(t, b))(x).sum().backward()
+    torch.testing.assert_close(x.grad, b.sum(1).expand(4, 5, 24), rtol=1e-5, atol=1e-5)
+    try:
+        torch.func.jvp(lambda t: pg.gemm(t, b), (a,), (torch.ones_like(a),))
+    except NotImplementedError:
+        pass
+    else:
+        raise AssertionError("torch.func.jvp was not refused (its tangent would read zero)")
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
 
     c.run("release_cpu_scratch", check_scratch_release, pg, torch)
     c.run("bad input raises", check_bad_input, pg, torch)
+    c.run("autocast (CPU, bf16)", check_autocast, pg, torch)
+    c.run("vmap, a gradient through it, jvp refused", check_vmap, pg, torch)
     t = time.perf_counter()
     c.run("opcheck gemm", check_opcheck, pg, torch)
     print(f"  opcheck: {time.perf_counter() - t:.1f}s", flush=True)
