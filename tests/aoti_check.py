@@ -1,9 +1,10 @@
 """AOTInductor packages of a small model, for tests/test_torch_integration.py and
 tests/test_cpp_consumer.py; run as a script, the child process that builds and checks one:
 
-    python aoti_check.py ours|plain DEVICE DIR
+    python aoti_check.py ours|plain DEVICE DIR [MODULE]
 
-It exports the model with a dynamic batch, compiles it into an AOTInductor package in DIR,
+MODULE is the package whose ops "ours" calls: portable_gemm, or a vendored copy importable
+in the child (its folder on PYTHONPATH). It exports the model with a dynamic batch, compiles it into an AOTInductor package in DIR,
 loads it back and runs it at two batch sizes; it prints "compiled", "loaded", "ran" as it
 gets there and "ok" at the end. "ours" is a gemm with bias and SiLU, then an int4 g32 and an
 int8 per-channel QuantizedLinear: the package's extern-call spec must name both ops and its
@@ -18,6 +19,7 @@ script around g++ 13, crash at load with signal 11, the plain model's too; /usr/
 builds working ones (bench/GPU_NOTES.md, runs 101-103).
 """
 
+import importlib
 import os
 import subprocess
 import sys
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 
-def build(kind: str, device: str) -> torch.nn.Module:
+def build(kind: str, device: str, module: str = "portable_gemm") -> torch.nn.Module:
     torch.manual_seed(0)
 
     def linear(k, n):
@@ -35,7 +37,7 @@ def build(kind: str, device: str) -> torch.nn.Module:
 
     if kind == "plain":
         return torch.nn.Sequential(linear(48, 64), torch.nn.SiLU(), linear(64, 40), linear(40, 24)).eval()
-    import portable_gemm as pg
+    pg = importlib.import_module(module)
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -59,14 +61,14 @@ def export(m: torch.nn.Module, device: str) -> torch.export.ExportedProgram:
     return torch.export.export(m, (x0,), dynamic_shapes=({0: batch},))
 
 
-def main(kind: str, device: str, out: Path) -> None:
-    m = build(kind, device)
+def main(kind: str, device: str, out: Path, module: str = "portable_gemm") -> None:
+    m = build(kind, device, module)
     ep = export(m, device)
     out.mkdir(parents=True, exist_ok=True)
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(out / f"{kind}.pt2"))
     print("compiled", path, flush=True)
     if kind == "ours":
-        import portable_gemm as pg
+        pg = importlib.import_module(module)
 
         # the extern-call spec names both ops: they are called, not traced into
         with zipfile.ZipFile(path) as z:
@@ -88,16 +90,19 @@ def main(kind: str, device: str, out: Path) -> None:
     print("ok", flush=True)
 
 
-def child(kind: str, device: str, out: Path) -> subprocess.CompletedProcess:
-    """This script in a child process. The target in force (PORTABLE_GEMM_TARGET) carries
+def child(kind: str, device: str, out: Path, module: str = "portable_gemm",
+          path: Path | None = None) -> subprocess.CompletedProcess:
+    """This script in a child process, path (where module lives) first on its PYTHONPATH. The target in force (PORTABLE_GEMM_TARGET) carries
     over. PG_TEST_AOTI_CXX, where set, is the C++ compiler AOTInductor runs there (its CXX):
     ci/gpu_session.sh sets it on the GPU machines, whose CXX wrapper builds packages that
     crash at load (runs 101-103)."""
     env = dict(os.environ)
     if os.environ.get("PG_TEST_AOTI_CXX"):
         env["CXX"] = os.environ["PG_TEST_AOTI_CXX"]
-    return subprocess.run([sys.executable, __file__, kind, device, str(out)], capture_output=True, text=True,
-                          timeout=300, env=env)
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(path), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, __file__, kind, device, str(out), module], capture_output=True,
+                          text=True, timeout=300, env=env)
 
 
 STAGES = ("compiled", "loaded", "ran")  # what a child prints as it gets there
@@ -109,23 +114,25 @@ def stage(r: subprocess.CompletedProcess) -> int:
     return sum(s in lines for s in STAGES)
 
 
-_packages: dict[str, Path | str] = {}  # device -> the package, or why the tests skip
+_packages: dict[tuple[str, str], Path | str] = {}  # (device, module) -> the package, or why the tests skip
 
 
-def package_or_skip(device: str, out: Path) -> Path:
-    """Builds the "ours" package in a child (checked there against eager) and returns its path;
-    once a session per device, the tests that need it share it. Where ours fails without an
+def package_or_skip(device: str, out: Path, module: str = "portable_gemm", path: Path | None = None) -> Path:
+    """Builds the "ours" package of module (found in path) in a child (checked there against
+    eager) and returns its path; once a session per device and module, the tests that need it
+    share it. Where ours fails without an
     assertion of ours and the plain control fails at the same stage or earlier, torch's
     AOTInductor does not work on this machine: the calling test is skipped with the reason.
     Any other failure fails the test."""
     import pytest
 
-    done = _packages.get(device)
+    key = (device, module)
+    done = _packages.get(key)
     if isinstance(done, Path):
         return done
     if isinstance(done, str):
         pytest.skip(done)
-    r = child("ours", device, out / "ours")
+    r = child("ours", device, out / "ours", module, path)
     if r.returncode != 0 and "AssertionError" not in r.stderr:
         control = child("plain", device, out / "plain")
         if control.returncode != 0 and stage(control) <= stage(r):
@@ -134,12 +141,12 @@ def package_or_skip(device: str, out: Path) -> Path:
                    f"plain nn.Linear layers exits {control.returncode} after {stage(control)} of the stages "
                    f"{', '.join(STAGES)} (ours: {stage(r)}); "
                    f"{(control.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
-            _packages[device] = why
+            _packages[key] = why
             pytest.skip(why)
     assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
-    _packages[device] = out / "ours" / "ours.pt2"
-    return _packages[device]
+    _packages[key] = out / "ours" / "ours.pt2"
+    return _packages[key]
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), *sys.argv[4:5])

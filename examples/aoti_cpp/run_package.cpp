@@ -1,12 +1,14 @@
 // Runs an AOTInductor package whose model calls portable_gemm's ops, from C++ without Python.
 //
-//   run_package PACKAGE IN OUT ROWS COLS CPU_BINDING [CUDA_BINDING]
+//   run_package [--namespace NS] PACKAGE IN OUT ROWS COLS CPU_BINDING [CUDA_BINDING]
 //
 // CPU_BINDING is the portable_gemm binding for the libtorch this program runs against: the
 // newest target not newer than it (portable_gemm_cpu_t2_13.so for libtorch 2.13; `python -m
 // portable_gemm info` prints the ones its loader picks). Its RUNPATH finds the kernel library
-// next to it. Its portable_gemm_register() defines the ops under a namespace, which must be
-// the one the package was exported with ("portable_gemm" unless the package was vendored).
+// next to it. Its portable_gemm_register() defines the ops under the namespace NS, which must
+// be the one the package was exported with: "portable_gemm" (the default), or a vendored
+// copy's own (`python -m portable_gemm vendor --into DIR --namespace NS`; pass the copy's
+// bindings then, from its lib folder).
 // A CUDA package also needs CUDA_BINDING (portable_gemm_cuda_t2_11.so and so on, the same
 // target), whose portable_gemm_register() adds the CUDA kernels to those ops; the program
 // must then be linked with libtorch_cuda (CMakeLists.txt does where torch has it), and the
@@ -35,8 +37,8 @@ Fn symbol(void* lib, const char* name) {
   return reinterpret_cast<Fn>(p);
 }
 
-// dlopen a binding and register its kernels under "portable_gemm"; the exit code on failure.
-int load_binding(const char* path) {
+// dlopen a binding and register its kernels under ns; the exit code on failure.
+int load_binding(const char* path, const char* ns) {
   void* binding = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (!binding) {
     std::cerr << "dlopen: " << dlerror() << "\n";
@@ -48,7 +50,7 @@ int load_binding(const char* path) {
   auto info = symbol<Info>(binding, "portable_gemm_binding_info");
   if (!reg || !info) return 4;
   char err[1024] = {0};
-  if (reg("portable_gemm", err, sizeof err) != 0) {
+  if (reg(ns, err, sizeof err) != 0) {
     std::cerr << "portable_gemm_register (" << path << "): " << err << "\n";
     return 4;
   }
@@ -57,13 +59,20 @@ int load_binding(const char* path) {
 }
 
 int run(int argc, char** argv) {
+  const char* ns = "portable_gemm";
+  if (argc > 2 && std::string(argv[1]) == "--namespace") {
+    ns = argv[2];
+    argv[2] = argv[0];  // drop the option: argv[1..] are the positional arguments again
+    argc -= 2;
+    argv += 2;
+  }
   if (argc != 7 && argc != 8) {
-    std::cerr << "usage: run_package PACKAGE IN OUT ROWS COLS CPU_BINDING [CUDA_BINDING]\n";
+    std::cerr << "usage: run_package [--namespace NS] PACKAGE IN OUT ROWS COLS CPU_BINDING [CUDA_BINDING]\n";
     return 2;
   }
   // the CPU binding first: it defines the ops, the CUDA binding only adds kernels to them
   for (int i = 6; i < argc; ++i) {
-    if (int rc = load_binding(argv[i])) return rc;
+    if (int rc = load_binding(argv[i], ns)) return rc;
   }
   const bool cuda = argc == 8;
 
