@@ -10,12 +10,12 @@
 #        kept whole: "a or b"), PG_TARGETS (the test runs, default "default 2.10 2.9": one
 #        device call may not hold all three), PG_BENCH_ARGS (e.g. --quick), PG_GPU_PYTHON
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+# shellcheck source=ci/gpu_common.sh
+. "$(dirname "$0")/gpu_common.sh"
 WHEEL=$1; shift
 STEPS=${*:-all}
 OUT=${OUT:-/tmp/pg_out}
 mkdir -p "$OUT"
-PY=${PG_GPU_PYTHON:-python3}
 summary=()
 note() { summary+=("$*"); echo "== $*"; }
 
@@ -33,10 +33,6 @@ if want demo; then
 fi
 
 if want tests; then
-  # AOTInductor packages built through these machines' CXX (a wrapper script around g++ 13)
-  # crash at load, torch's own too; the system g++ builds working ones (bench/GPU_NOTES.md,
-  # runs 101-103). The AOTInductor tests (tests/aoti_check.py, test_cpp_consumer.py) take it from this.
-  if [ -z "${PG_TEST_AOTI_CXX:-}" ] && [ -x /usr/bin/g++ ]; then export PG_TEST_AOTI_CXX=/usr/bin/g++; fi
   for target in ${PG_TARGETS:-default 2.10 2.9}; do
     env=()
     [ "$target" != default ] && env=("PORTABLE_GEMM_TARGET=$target")

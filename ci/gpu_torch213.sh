@@ -8,13 +8,13 @@
 # against 2.13 under that torch (bench/gpu_bench.py --targets-only). Logs go to $OUT.
 #   usage: bash ci/gpu_torch213.sh WHEEL SHA256_OF_BOTH TORCH_WHEEL_BYTES [ROUNDS]
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+# shellcheck source=ci/gpu_common.sh
+. "$(dirname "$0")/gpu_common.sh"
 WHEEL=$1 SHA=$2 TORCH_BYTES=$3 ROUNDS=${4:-11}
 CHUNKS=${CHUNKS:-/tmp/t213c}
 OUT=${OUT:-/tmp/pg_out}
 T=/tmp/t213
 mkdir -p "$OUT" "$T"
-PY=${PG_GPU_PYTHON:-python3}
 fail() { echo "gpu_torch213: $*" | tee -a "$OUT/summary.txt"; exit 1; }
 
 got=$(sha256sum "$CHUNKS/both.bin" | cut -d' ' -f1)
@@ -34,9 +34,6 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 (cd /tmp && $PY -m portable_gemm info) | tee "$OUT/info_t213.txt"
 grep -q "Stream::nativeHandle" "$OUT/info_t213.txt" || fail "target 2.13 did not load (see info_t213.txt)"
 
-# the AOTInductor tests (test_torch_integration.py, test_cpp_consumer.py) build packages with
-# the system g++, as gpu_session.sh does: these machines' CXX wrapper builds ones that crash
-if [ -z "${PG_TEST_AOTI_CXX:-}" ] && [ -x /usr/bin/g++ ]; then export PG_TEST_AOTI_CXX=/usr/bin/g++; fi
 (cd tests && timeout 420 $PY -m pytest -q -rs -p no:cacheprovider test_cuda.py test_gemm.py test_mixed_linear.py \
   test_torch_integration.py test_bad_input.py test_cpp_consumer.py > "$OUT/pytest_t213.log" 2>&1)
 echo "pytest target=2.13 (torch 2.13): exit $?; $(tail -1 "$OUT/pytest_t213.log")" | tee -a "$OUT/summary.txt"
