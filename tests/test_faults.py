@@ -33,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -488,7 +489,9 @@ def test_kernel_library_missing_is_an_import_error(cases):
 
 
 def test_manifest_missing(cases):
-    expect_import_error(cases["manifest_missing"], "manifest.json is missing", "reinstall the wheel")
+    # the advice reinstalls this release and keeps the installed torch
+    expect_import_error(cases["manifest_missing"], "manifest.json is missing",
+                        f"reinstall the wheel (pip install --force-reinstall --no-deps portable-gemm=={metadata.version('portable-gemm')};")
 
 
 def test_manifest_unparsable(cases):

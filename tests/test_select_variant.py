@@ -65,6 +65,8 @@ def test_forced_newer_than_runtime_is_refused():
     sel = select_variant("2.11.0", BUILT, forced="2.13")
     assert sel.target is None
     assert "newer than the installed torch 2.11.0" in sel.error
+    # what to do instead: the targets this torch can run
+    assert sel.error.endswith("unset PORTABLE_GEMM_TARGET or choose one of 2.11, 2.10, 2.9"), sel.error
     assert "2.13" in sel.explain() and "rejected" in sel.explain()
 
 
@@ -87,7 +89,13 @@ def test_torch_older_than_minimum():
     sel = select_variant("2.8.0", BUILT)
     assert sel.target is None
     assert "requires torch >= 2.9" in sel.error and "2.8.0" in sel.error
+    assert sel.error.endswith("upgrade torch (pip install 'torch>=2.9')"), sel.error
     assert all(c.status == "rejected" for c in sel.candidates)
+    # every target rejected for the same reason: one line, not five
+    assert sel.explain() == "  2.13, 2.12, 2.11, 2.10, 2.9: rejected - torch 2.8.0 is older than 2.9, the oldest " \
+        "stable ABI this wheel targets", sel.explain()
+    # different reasons keep a line each
+    assert len(select_variant("2.11.0", BUILT).explain().splitlines()) == len(BUILT)
 
 
 def test_no_targets_built():

@@ -26,9 +26,19 @@ from ._variant import Candidate, Selection, select_variant
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 ENV_TARGET = "PORTABLE_GEMM_TARGET"
 KERNELS_FILE = "libportable_gemm_kernels.so"  # when the manifest names no kernel library
-REINSTALL = (f"re-vendor the copy (python -m portable_gemm vendor --into {LIB_DIR.parent} --namespace {NAMESPACE} "
-             f"--force) or reinstall the package that ships {__package__.split('.')[0]}" if VENDORED else
-             "reinstall the wheel (pip install --force-reinstall portable-gemm)")
+def _reinstall() -> str:
+    """What to do about a damaged install, for error messages (only built on those paths:
+    reading the installed metadata takes tens of milliseconds)."""
+    if VENDORED:
+        return (f"re-vendor the copy (python -m portable_gemm vendor --into {LIB_DIR.parent} --namespace "
+                f"{NAMESPACE} --force) or reinstall the package that ships {__package__.split('.')[0]}")
+    from importlib import metadata
+
+    try:  # this very release; --no-deps keeps the installed torch (pip would replace it)
+        pin = f"portable-gemm=={metadata.version('portable-gemm')}"
+    except metadata.PackageNotFoundError:
+        pin = "portable-gemm"
+    return f"reinstall the wheel (pip install --force-reinstall --no-deps {pin}; --no-deps keeps the installed torch)"
 
 
 @dataclass
@@ -53,11 +63,11 @@ def read_manifest(lib_dir: Path = LIB_DIR) -> dict:
             manifest = json.load(f)
     except FileNotFoundError:
         raise ImportError(f"{WHO}: {path} is missing; the installation is incomplete "
-                          f"({REINSTALL})") from None
+                          f"({_reinstall()})") from None
     except (OSError, ValueError) as e:
-        raise ImportError(f"{WHO}: cannot read {path}: {e} ({REINSTALL})") from None
+        raise ImportError(f"{WHO}: cannot read {path}: {e} ({_reinstall()})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("binaries"), list):
-        raise ImportError(f"{WHO}: {path} lists no binaries ({REINSTALL})")
+        raise ImportError(f"{WHO}: {path} lists no binaries ({_reinstall()})")
     return manifest
 
 
@@ -201,7 +211,7 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
                                    minimum=manifest.get("minimum_torch", "2.9"))
     except (ValueError, TypeError) as e:
         raise ImportError(f"{WHO}: {lib_dir / 'manifest.json'} holds a version that cannot be "
-                          f"read: {e} ({REINSTALL})") from None
+                          f"read: {e} ({_reinstall()})") from None
     if selection.error:
         raise ImportError(f"{WHO}: {selection.error}\ncandidates:\n{selection.explain()}")
 
@@ -210,7 +220,7 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     try:
         check_library_file(kernels)
     except OSError as e:
-        raise ImportError(f"{WHO}: the kernel library cannot be used: {e} ({REINSTALL})") from None
+        raise ImportError(f"{WHO}: the kernel library cannot be used: {e} ({_reinstall()})") from None
     # The selected target first; if its binary cannot load, fall back to older eligible
     # ones (never when a target was forced: the user asked for that one).
     order = [c for c in selection.candidates if c.status == "selected"]
@@ -246,9 +256,9 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     if binding is None:
         lines = "\n".join(f"  {c.target}: {c.status} - {c.reason}" for c in state.candidates)
         raise ImportError(f"{WHO}: no binding could be loaded for torch {torch.__version__}; "
-                          f"{REINSTALL}\ncandidates:\n{lines}")
+                          f"{_reinstall()}\ncandidates:\n{lines}")
     if fell_back:
-        _env.warn_all([f"{fallback}; loaded target {state.target} instead ({REINSTALL})"])
+        _env.warn_all([f"{fallback}; loaded target {state.target} instead ({_reinstall()})"])
 
     state.libraries["kernels"] = str(kernels)
     state.libraries["cpu"] = str(binding.path)

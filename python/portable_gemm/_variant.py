@@ -49,7 +49,12 @@ class Selection:
     error: str | None = None
 
     def explain(self) -> str:
-        lines = [f"  {c.target}: {c.status} - {c.reason}" for c in self.candidates]
+        """One line per candidate; one line in all when every candidate has the same status
+        and reason (a torch older than the oldest target rejects them all alike)."""
+        cands = self.candidates
+        if len(cands) > 1 and len({(c.status, c.reason) for c in cands}) == 1:
+            return f"  {', '.join(c.target for c in cands)}: {cands[0].status} - {cands[0].reason}"
+        lines = [f"  {c.target}: {c.status} - {c.reason}" for c in cands]
         return "\n".join(lines) if lines else "  (no targets built)"
 
 
@@ -72,7 +77,8 @@ def select_variant(
         reason = f"torch {torch_version} is older than {minimum}, the oldest stable ABI this wheel targets"
         cands = [Candidate(format_version(t), "rejected", reason) for t in targets]
         return Selection(torch_version, None, cands,
-                         f"requires torch >= {minimum}; found torch {torch_version}")
+                         f"requires torch >= {minimum}; found torch {torch_version}: upgrade torch "
+                         f"(pip install 'torch>={minimum}')")
 
     forced_v = None
     if forced is not None and forced.strip():
@@ -106,6 +112,9 @@ def select_variant(
         if forced_v not in targets:
             err = f"PORTABLE_GEMM_TARGET={forced} names no built target (built: {', '.join(format_version(t) for t in targets)})"
         else:
-            err = f"PORTABLE_GEMM_TARGET={forced} is newer than the installed torch {torch_version}: target {fs} needs torch >= {fs}"
+            runnable = [format_version(t) for t in targets if t <= runtime]
+            err = (f"PORTABLE_GEMM_TARGET={forced} is newer than the installed torch {torch_version}: target {fs} "
+                   f"needs torch >= {fs}; unset PORTABLE_GEMM_TARGET"
+                   + (f" or choose one of {', '.join(runnable)}" if runnable else ""))
         return Selection(torch_version, None, cands, err)
     return Selection(torch_version, None, cands, f"no built target runs on torch {torch_version}")
