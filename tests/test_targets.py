@@ -165,6 +165,30 @@ def test_torch_older_than_minimum_is_refused():
     assert "ImportError: portable_gemm: requires torch >= 2.9; found torch 2.8.0" in proc.stderr
 
 
+def test_door_under_a_refused_torch():
+    # The README's advice: with a torch the loader refuses already imported, the door's import
+    # loads the package and is refused too; imported before torch, the door works and the
+    # torch ops say why at their first use.
+    after = run_python("import torch; torch.__version__ = '2.8.0'\nimport portable_gemm.dlpack")
+    assert after.returncode == 1 and "requires torch >= 2.9; found torch 2.8.0" in after.stderr, after.stderr[-2000:]
+    before = run_python("""
+import numpy as np
+import portable_gemm.dlpack as door
+import torch
+torch.__version__ = '2.8.0'
+a, b = np.random.rand(5, 7).astype(np.float32), np.random.rand(7, 3).astype(np.float32)
+assert np.allclose(door.gemm(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+import portable_gemm as pg
+try:
+    pg.gemm(torch.from_numpy(a), torch.from_numpy(b))
+    raise AssertionError("the torch op ran under a refused torch")
+except ImportError as e:
+    assert "requires torch >= 2.9; found torch 2.8.0" in str(e), str(e)
+print("OK")
+""")
+    assert before.returncode == 0 and before.stdout.strip() == "OK", before.stderr[-2000:]
+
+
 def test_info_cli():
     proc = run_python("from portable_gemm.__main__ import main; main(['info', '--json'])")
     assert proc.returncode == 0, proc.stderr

@@ -12,7 +12,14 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class QuantizedLinear(torch.nn.Module):
     """nn.Linear with an int8 / int4 weight (symmetric, per channel or per group) and
     activations in fp16 / bf16 / fp32. The quantised weight and scales are buffers, so the
-    state_dict round-trips and `.to(device)` moves them."""
+    state_dict round-trips and `.to(device)` moves them.
+
+    The constructor makes an empty layer (zero weight) to load a state_dict into; `dtype`,
+    bf16 unless given, is the scales' and bias' dtype. `from_linear` quantises an existing
+    `nn.Linear` and keeps its dtype unless given one. `group_size` (128 unless given; None:
+    one scale per output channel) must divide in_features, and int4 needs an even
+    in_features: `from_linear(nn.Linear(1000, n))` fails with the default group size, so
+    pass a divisor of 1000 or None."""
 
     def __init__(self, in_features: int, out_features: int, *, bits: int = 4,
                  group_size: int | None = 128, bias: bool = True,
@@ -40,6 +47,9 @@ class QuantizedLinear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, *, bits: int = 4, group_size: int | None = 128,
                     dtype: torch.dtype | None = None) -> "QuantizedLinear":
+        """A QuantizedLinear holding `linear`'s weight quantised with `quantize_weight(bits,
+        group_size)` and its bias, on its device, with scales and bias in `dtype` (the
+        Linear's own unless given: fp32 for a default nn.Linear)."""
         dtype = dtype or linear.weight.dtype
         m = cls(linear.in_features, linear.out_features, bits=bits, group_size=group_size,
                 bias=linear.bias is not None, dtype=dtype, device=linear.weight.device)
@@ -52,6 +62,8 @@ class QuantizedLinear(torch.nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`mixed_linear(x, qweight, scales, ...) + bias`: x is [..., in_features] of a float
+        dtype on the layer's device; the result has x's dtype (the bias is cast to it)."""
         if self.scales.dtype not in _DTYPES:  # e.g. after .double(): the ops would refuse them
             raise TypeError(f"QuantizedLinear: its scales are {self.scales.dtype} (after .double() or .to()?), "
                             "but the kernels take float32, float16 or bfloat16 scales; convert the module "
