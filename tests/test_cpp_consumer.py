@@ -82,7 +82,7 @@ def output(tmp_path) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_aoti_package_runs_from_cpp_without_python(tmp_path, device, run_package):
+def test_aoti_package_runs_from_cpp_without_python(tmp_path, device, request):
     # Deployment without Python: examples/aoti_cpp loads the bindings this process's loader
     # picked, registers the ops (portable_gemm_register) and runs the package through
     # torch's AOTIModelPackageLoader. Its output must equal the eager model's bit for bit.
@@ -91,6 +91,7 @@ def test_aoti_package_runs_from_cpp_without_python(tmp_path, device, run_package
     if device == "cuda" and "cuda" not in pg.info()["libraries"]:
         pytest.skip(f"no CUDA binding loaded: {pg.info()['cuda'].get('reason')}")
     package = aoti_check.package_or_skip(device, tmp_path)
+    run_package = request.getfixturevalue("run_package")  # built once the package exists
     devices = ["cpu"] + (["cuda"] if device == "cuda" else [])  # the CPU binding defines the ops
     bindings = [pg.info()["libraries"][d] for d in devices]
     run, x = run_cpp(run_package, package, tmp_path, bindings)
@@ -104,7 +105,7 @@ def test_aoti_package_runs_from_cpp_without_python(tmp_path, device, run_package
     assert torch.equal(output(tmp_path), want), (output(tmp_path).float() - want.float()).abs().max()
 
 
-def test_aoti_package_of_a_vendored_copy_runs_from_cpp(tmp_path, run_package):
+def test_aoti_package_of_a_vendored_copy_runs_from_cpp(tmp_path, request):
     # A downstream library that vendored the ops exports its model with its own namespace:
     # run_package --namespace registers the copy's binding under it. Without the option the
     # package's ops are missing (registered as portable_gemm::*), and torch says so.
@@ -113,6 +114,7 @@ def test_aoti_package_of_a_vendored_copy_runs_from_cpp(tmp_path, run_package):
     root = tmp_path / "downstream"
     vendor(root / "pg_copy", "downstream_ns")
     package = aoti_check.package_or_skip("cpu", tmp_path / "pkg", module="pg_copy", path=root)
+    run_package = request.getfixturevalue("run_package")
     # the copy's CPU binding for this torch: the one its own loader picks
     probe = run_python(f"import json, sys; sys.path.insert(0, {str(root)!r}); import pg_copy; "
                        "print(json.dumps(pg_copy.info()))")
@@ -130,4 +132,5 @@ def test_aoti_package_of_a_vendored_copy_runs_from_cpp(tmp_path, run_package):
 
     wrong, _ = run_cpp(run_package, package, tmp_path, [binding])
     assert wrong.returncode == 7, wrong.stdout[-2000:] + wrong.stderr[-2000:]
-    assert "Could not find schema for downstream_ns::gemm" in wrong.stderr, wrong.stderr[-2000:]
+    # torch 2.13: "Could not find schema for downstream_ns::gemm"
+    assert "downstream_ns::gemm" in wrong.stderr, wrong.stderr[-2000:]

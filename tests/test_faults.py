@@ -491,7 +491,8 @@ def test_kernel_library_missing_is_an_import_error(cases):
 def test_manifest_missing(cases):
     # the advice reinstalls this release and keeps the installed torch
     expect_import_error(cases["manifest_missing"], "manifest.json is missing",
-                        f"reinstall the wheel (pip install --force-reinstall --no-deps portable-gemm=={metadata.version('portable-gemm')};")
+                        "reinstall the wheel (pip install --force-reinstall --no-deps with the wheel file",
+                        f"or portable-gemm=={metadata.version('portable-gemm')} from your package index")
 
 
 def test_manifest_unparsable(cases):

@@ -91,9 +91,10 @@ def test_release_while_threads_call():
 @pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
                     reason="ASan's allocator quarantines freed memory and has no malloc_trim")
 def test_resident_memory_drops_by_what_a_release_frees():
-    # In a fresh process: a 2048^2 fp32 GEMM and a bf16 one leave MiBs of scratch (tens with
-    # the AVX-512 kernels' panels, ~4 with AVX2's); the release frees all of it, and then the
-    # resident set is smaller by at least half of what it freed, and a
+    # In a fresh process: a 2048^2 fp32 GEMM and a bf16 one on 4 threads leave MiBs of
+    # scratch (tens with the AVX-512 kernels' panels; ~9 with AVX2's and ~3 with the generic
+    # ones on an AVX2 Zen 3, where 2 threads held 4.3 and 1.6); the release frees all of it,
+    # and then the resident set is smaller by at least half of what it freed, and a
     # further malloc_trim finds little left to hand back: the release trimmed the heap itself
     # (glibc keeps freed blocks below its mmap threshold otherwise; without the trim a further
     # one handed back ~19 of 26 MiB here).
@@ -101,6 +102,7 @@ def test_resident_memory_drops_by_what_a_release_frees():
 import ctypes, os, torch, portable_gemm as pg
 page = os.sysconf("SC_PAGE_SIZE")
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
+torch.set_num_threads(4)  # each worker keeps its own buffers: more of them to measure
 for dt in (torch.float32, torch.bfloat16):
     a = torch.randn(2048, 2048).to(dt)
     y = pg.gemm(a, a)

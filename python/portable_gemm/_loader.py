@@ -38,7 +38,8 @@ def _reinstall() -> str:
         pin = f"portable-gemm=={metadata.version('portable-gemm')}"
     except metadata.PackageNotFoundError:
         pin = "portable-gemm"
-    return f"reinstall the wheel (pip install --force-reinstall --no-deps {pin}; --no-deps keeps the installed torch)"
+    return (f"reinstall the wheel (pip install --force-reinstall --no-deps with the wheel file you installed, "
+            f"or {pin} from your package index; --no-deps keeps the installed torch)")
 
 
 @dataclass
