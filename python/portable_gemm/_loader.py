@@ -26,6 +26,8 @@ from ._variant import Candidate, Selection, select_variant
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 ENV_TARGET = "PORTABLE_GEMM_TARGET"
 KERNELS_FILE = "libportable_gemm_kernels.so"  # when the manifest names no kernel library
+
+
 def _reinstall() -> str:
     """What to do about a damaged install, for error messages (only built on those paths:
     reading the installed metadata takes tens of milliseconds)."""
