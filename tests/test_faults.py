@@ -484,8 +484,7 @@ def test_all_bindings_broken_message_says_what_to_do(cases):
 
 
 def test_kernel_library_missing_is_an_import_error(cases):
-    rep = expect_import_error(cases["kernels_missing"], "libportable_gemm_kernels.so is missing",
-                              "reinstall the wheel")
+    expect_import_error(cases["kernels_missing"], "libportable_gemm_kernels.so is missing", "reinstall the wheel")
 
 
 def test_manifest_missing(cases):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO, assert_close, dequant_ref, gemm_ref, run_python
+from conftest import assert_close, dequant_ref, gemm_ref, run_python
 
 import portable_gemm as pg
 
