@@ -96,14 +96,14 @@ def test_workflow_job_graph_and_expressions(workflow):
         problems += [f"{name}: no step with id {i}" for i in re.findall(r"steps\.([\w-]+)\.outputs", text)
                      if i not in ids]
         # an artifact downloaded by name or pattern was uploaded by a job it needs
-        uploads = [u["with"]["name"] for n in needs for u in steps(jobs[n])
+        uploads = [u["with"]["name"] for n in needs if n in jobs for u in steps(jobs[n])
                    if u.get("uses", "").startswith("actions/upload-artifact") and "name" in u.get("with", {})]
         for s in steps(job):
             if s.get("uses", "").startswith("actions/download-artifact"):
                 want = s.get("with", {})
                 art = want.get("name") or want.get("pattern")
                 if art is None:
-                    problems.append(f"{name}: downloads every artifact (name or pattern it)")
+                    problems.append(f"{name}: downloads every artifact (give it a name or pattern)")
                 elif not fnmatch.filter(uploads, art):
                     problems.append(f"{name}: downloads artifact {art} that no needed job uploads")
     # publishing waits for every check
