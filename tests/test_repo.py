@@ -56,3 +56,22 @@ def test_wheel_tags_match_contents():
         bindings = [n for n in names if re.match(r"portable_gemm/lib/portable_gemm_cpu_t\d+_\d+\.so$", n)]
         assert len(bindings) == 5, bindings
         assert "portable_gemm/lib/manifest.json" in names
+
+
+@pytest.mark.skipif(not wheels(), reason="no wheel in $PG_DIST or dist/ (ci/dev.sh wheel builds one)")
+def test_wheel_carries_the_licenses():
+    """LICENSE, NOTICE (what the binaries hold of other projects) and those projects' notices
+    travel in every wheel's .dist-info/licenses, as the files of this tree, and METADATA
+    names the licence (PEP 639)."""
+    expected = {p.relative_to(REPO).as_posix(): p.read_bytes()
+                for p in [REPO / "LICENSE", REPO / "NOTICE", *sorted((REPO / "LICENSES").glob("*.txt"))]}
+    assert len(expected) >= 6, sorted(expected)
+    for whl in wheels():
+        with zipfile.ZipFile(whl) as z:
+            names = z.namelist()
+            got = {n.split(".dist-info/licenses/", 1)[1]: z.read(n) for n in names if ".dist-info/licenses/" in n}
+            metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        assert sorted(got) == sorted(expected), (whl.name, sorted(got))
+        assert all(got[k] == expected[k] for k in expected), whl.name
+        assert re.search(r"^License-Expression: BSD-3-Clause$", metadata, re.M), whl.name
+        assert sorted(re.findall(r"^License-File: (.+)$", metadata, re.M)) == sorted(expected), whl.name
