@@ -134,6 +134,17 @@ def test_copy_has_its_own_kernel_library(vendored):
     assert _readelf_dynamic(PKG / "lib" / KERNELS)["SONAME"] == [KERNELS]
 
 
+def test_copy_carries_the_licenses(vendored):
+    """A downstream wheel that ships the copy ships its notices: the package's licenses/
+    folder (LICENSE, NOTICE and the compiled-in projects' licences) travels with it."""
+    expected = {p.relative_to(REPO).as_posix(): p.read_bytes()
+                for p in [REPO / "LICENSE", REPO / "NOTICE", *(REPO / "LICENSES").glob("*.txt")]}
+    for root in (PKG, vendored / "pg_copy"):
+        folder = root / "licenses"
+        got = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        assert got == expected, (root, sorted(got))
+
+
 def test_copy_dlpack_door_uses_its_own_kernels(vendored):
     code = f"""
 import sys, numpy as np
