@@ -207,8 +207,16 @@ def test_vendor_cli_and_refusals(tmp_path):
                       f"sys.exit(main(['vendor', '--into', {str(tmp_path / 'bad-name')!r}, '--namespace', 'ns1']))")
     assert proc.returncode == 2 and "not importable" in proc.stderr
     dest = tmp_path / "ok_copy"
-    assert run_python("from portable_gemm.__main__ import main; import sys; "
-                      f"sys.exit(main(['vendor', '--into', {str(dest)!r}, '--namespace', 'ns1']))").returncode == 0
+    proc = run_python("from portable_gemm.__main__ import main; import sys; "
+                      f"sys.exit(main(['vendor', '--into', {str(dest)!r}, '--namespace', 'ns1']))")
+    assert proc.returncode == 0, proc.stderr
+    # The package data it tells the user to ship is the list the example ships (and tests).
+    example = (REPO / "examples" / "downstream_py" / "pyproject.toml").read_text()
+    patterns = re.findall(r'"([^"]+)"', re.search(r'^"mylib\._gemm" = \[(.*)\]$', example, re.M).group(1))
+    assert len(patterns) >= 5, patterns
+    hint = next(line for line in proc.stdout.splitlines() if line.startswith("to ship it in your wheel"))
+    for pattern in patterns:
+        assert f"ok_copy/{pattern}" in hint, (pattern, hint)
     assert (dest / "lib" / "manifest.json").is_file()
     assert "NAMESPACE = 'ns1'" in (dest / "_namespace.py").read_text()
     proc = run_python("from portable_gemm.__main__ import main; import sys; "
@@ -318,7 +326,8 @@ def test_vendor_cli_reports_os_errors_and_import_hints(tmp_path):
     proc = run_python(main.format(['vendor', '--into', str(tmp_path / "mylib" / "_g"), '--namespace', 'ns_hint']))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"or add {tmp_path / 'mylib' / '__init__.py'} to import it as mylib._g" in proc.stdout, proc.stdout
-    assert "package data _g/*.so, _g/lib/*.so and _g/lib/manifest.json" in proc.stdout, proc.stdout
+    assert "package data _g/*.so, _g/lib/*.so, _g/lib/manifest.json, _g/licenses/* and _g/licenses/LICENSES/*" \
+        in proc.stdout, proc.stdout
 
 
 def test_two_copies_under_one_namespace(tmp_path):

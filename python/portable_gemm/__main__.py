@@ -139,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             how = (f"import it as {dest.name} with {dest.parent} on sys.path, or add {dest.parent / '__init__.py'} "
                    f"to import it as {dest.parent.name}.{dest.name}")
         print(f"vendored portable_gemm into {dest} (torch.ops.{args.namespace}); {how}")
-        print(f"to ship it in your wheel: package data {dest.name}/*.so, {dest.name}/lib/*.so and "
-              f"{dest.name}/lib/manifest.json, a platform wheel, torch>=2.9 among your dependencies "
-              "(README, 'Shipping a vendored copy')")
+        d = dest.name
+        print(f"to ship it in your wheel: package data {d}/*.so, {d}/lib/*.so, {d}/lib/manifest.json, "
+              f"{d}/licenses/* and {d}/licenses/LICENSES/* (the notices its binaries must travel with), "
+              "a platform wheel, torch>=2.9 among your dependencies (README, 'Shipping a vendored copy')")
         return 0
     if args.cmd == "demo":
         import torch
