@@ -167,6 +167,15 @@ def gemm_ref(a, b, bias=None, activation="none"):
     return act_ref(z, activation)
 
 
+def tree_license_files() -> dict[str, bytes]:
+    """LICENSE, NOTICE and LICENSES/*.txt of this tree, by path from the repository root: what
+    every wheel (.dist-info/licenses and portable_gemm/licenses) and vendored copy carries."""
+    files = {p.relative_to(REPO).as_posix(): p.read_bytes()
+             for p in [REPO / "LICENSE", REPO / "NOTICE", *(REPO / "LICENSES").glob("*.txt")]}
+    assert len(files) >= 6, sorted(files)  # the two and the four projects NOTICE names
+    return files
+
+
 def unpack_int4_ref(packed: torch.Tensor) -> torch.Tensor:
     """[N, K/2] uint8 -> [N, K] int64, low nibble first, signed (written independently of
     the package's dequantize_weight)."""

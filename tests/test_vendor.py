@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_close, dequant_ref, run_python
+from conftest import REPO, assert_close, dequant_ref, run_python, tree_license_files
 
 import portable_gemm as pg
 from portable_gemm._vendor import KERNELS, dynamic_strings, kernels_name, vendor
@@ -137,8 +137,7 @@ def test_copy_has_its_own_kernel_library(vendored):
 def test_copy_carries_the_licenses(vendored):
     """A downstream wheel that ships the copy ships its notices: the package's licenses/
     folder (LICENSE, NOTICE and the compiled-in projects' licences) travels with it."""
-    expected = {p.relative_to(REPO).as_posix(): p.read_bytes()
-                for p in [REPO / "LICENSE", REPO / "NOTICE", *(REPO / "LICENSES").glob("*.txt")]}
+    expected = tree_license_files()
     for root in (PKG, vendored / "pg_copy"):
         folder = root / "licenses"
         got = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
