@@ -11,6 +11,12 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 RESULTS = BENCH / "results"
 
+# The sdist leaves bench/results out (pyproject.toml, sdist.exclude); a git checkout has it,
+# and there a missing file fails the tests below.
+if not RESULTS.is_dir() and not (BENCH.parent / ".git").exists():
+    pytestmark = pytest.mark.skip(reason="bench/results is not in the sdist (the repository has the "
+                                         "committed benchmark results these tests check)")
+
 
 @pytest.fixture(scope="module")
 def benches():

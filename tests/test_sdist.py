@@ -113,6 +113,11 @@ def test_sdist_holds_what_a_build_reads_and_no_build_products(sdist):
     # test run left in the tree.
     extra = sorted(have - committable() - {"PKG-INFO"})
     assert not extra, extra[:20]
+    # ... except the committed benchmark results, which stay in the repository.
+    results = sorted(n for n in names if n.startswith("bench/results/"))
+    assert not results, results[:10]
+    assert {f for f in tracked if f.startswith("bench/") and f.endswith(".py")} <= have
+    assert sdist.stat().st_size < 2 << 20, f"{sdist.stat().st_size / 2**20:.1f} MiB"
 
 
 def test_sdist_metadata_names_the_license_and_its_files(sdist):
