@@ -67,8 +67,12 @@ def expected_report(outcome: str) -> dict[str, str]:
         "attn.out_proj": SUBCLASS,
         "head": f"{outcome}; its weight is also emb.weight, which keeps the float copy",
         "odd": ("kept: in_features 200 is not a multiple of group_size 128" if "g128" in outcome else outcome),
-        "gate": "kept: filter_fn returned False",
+        "gate": "kept: filter_fn returned False for gate",
     }
+
+
+ORDER = ["blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "s1", "s2", "attn.out_proj",
+         "head", "odd", "gate"]
 
 
 def make_model(device, dtype, seed=0):
@@ -81,8 +85,9 @@ def make_model(device, dtype, seed=0):
 
 
 def reference(original: nn.Module, quantised: nn.Module, report: dict[str, str]) -> nn.Module:
-    """The original model in float64 with each replaced layer's weight (and bias) set to what
-    its QuantizedLinear holds, dequantised independently of the package."""
+    """The original model in float64 with each replaced layer's weight set to what its
+    QuantizedLinear holds, dequantised independently of the package (the bias stays the
+    original's)."""
     ref = copy.deepcopy(original).double()
     qmods = dict(quantised.named_modules(remove_duplicate=False))
     rmods = dict(ref.named_modules(remove_duplicate=False))
@@ -96,8 +101,6 @@ def reference(original: nn.Module, quantised: nn.Module, report: dict[str, str])
                 rmods[name].weight = nn.Parameter(w)
             else:
                 rmods[name].weight.copy_(w)
-            if q.bias is not None:
-                rmods[name].bias.copy_(q.bias.double())
     return ref
 
 
@@ -108,15 +111,22 @@ def test_quantize_linears_replaces_reports_and_computes(device, dtype, bits, gro
     original = make_model(device, dtype)
     model = copy.deepcopy(original)
     weights = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    report = pg.nn.quantize_linears(model, bits=bits, group_size=group,
-                                    filter_fn=lambda name, lin: name != "gate")
+    before = dict(model.named_modules(remove_duplicate=False))
+    asked = []
+
+    def keep_gate(module, name):
+        asked.append((name, module is before[name]))
+        return name != "gate"
+
+    report = pg.nn.quantize_linears(model, bits=bits, group_size=group, filter_fn=keep_gate)
     outcome = f"int{bits} " + (f"g{group}" if group else "per channel")
-    assert report == expected_report(outcome)
+    assert report == expected_report(outcome) and list(report) == ORDER
+    assert sorted(asked) == sorted((n, True) for n in ORDER)  # every name, with its module
 
     mods = dict(model.named_modules(remove_duplicate=False))
     for name, what in report.items():
         if what.startswith("kept"):
-            assert type(mods[name]) is not pg.nn.QuantizedLinear, name
+            assert mods[name] is before[name], name  # the very module, untouched
             continue
         q = mods[name]
         assert type(q) is pg.nn.QuantizedLinear and (q.bits, q.group_size) == (bits, group), name
@@ -124,6 +134,8 @@ def test_quantize_linears_replaces_reports_and_computes(device, dtype, bits, gro
         # exactly the quantisation of the original weight
         q_ref, s_ref = pg.quantize_weight(weights[name if name != "s2" else "s1"], bits=bits, group_size=group)
         assert torch.equal(q.qweight, q_ref) and torch.equal(q.scales, s_ref), name
+        if before[name].bias is not None:
+            assert torch.equal(q.bias, before[name].bias) and q.bias.requires_grad, name
     assert mods["s1"] is mods["s2"]
     assert model.emb.weight.dtype == dtype  # the embedding keeps its float weight
 
@@ -151,41 +163,112 @@ def test_quantized_model_state_dict_loads_into_another(device):
 
 
 def test_quantize_linears_keeps_what_it_cannot_quantise():
+    lazy = nn.LazyLinear(8)
+    parametrized = nn.Linear(64, 8)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", nn.Identity())
+    hooked = nn.Linear(64, 8)
+    hooked.register_forward_hook(lambda *a: None)
     model = nn.Sequential(
-        nn.Linear(64, 8, device="meta"),      # 0: not materialised
-        nn.Linear(64, 8, dtype=torch.float64),  # 1: a dtype the kernels do not take
-        nn.Linear(65, 8),                     # 2: int4 needs an even in_features
-        nn.LazyLinear(8),                     # 3: a subclass (and lazy)
-        nn.Linear(64, 8),                     # 4: fine
+        nn.Linear(64, 8, dtype=torch.float64),  # 0: a dtype the kernels do not take
+        nn.Linear(65, 8),                       # 1: int4 needs an even in_features
+        lazy,                                   # 2: not materialised
+        parametrized,                           # 3
+        nn.TransformerEncoderLayer(64, 4, dim_feedforward=32, batch_first=True),  # 4: reads linear1.weight
+        hooked,                                 # 5: replaced, its hook is lost
+        nn.Linear(64, 8),                       # 6: fine
     )
     report = pg.nn.quantize_linears(model, bits=4, group_size=None)
+    reads = "kept: its parent, a TransformerEncoderLayer, reads its .weight"
     assert report == {
-        "0": "kept: its weight is not materialised (meta device or lazy): load the weights first",
-        "1": ("kept: its weight is torch.float64; the kernels take float32, float16 or bfloat16 "
+        "0": ("kept: its weight is torch.float64; the kernels take float32, float16 or bfloat16 "
               "(pass dtype= to quantise it from one of those)"),
-        "2": "kept: int4 packs two values per byte: in_features 65 is odd",
-        "3": ("kept: a subclass of nn.Linear (LazyLinear): the code around it may read its .weight "
-              "(nn.MultiheadAttention does), so only plain nn.Linear is replaced"),
-        "4": "int4 per channel",
+        "1": "kept: int4 packs two values per byte: in_features 65 is odd",
+        "2": "kept: a lazy layer whose weight is not materialised yet: run a forward first",
+        "3": ("kept: its weight is parametrized (torch.nn.utils.parametrize): remove that first, e.g. "
+              "parametrize.remove_parametrizations(layer, 'weight', leave_parametrized=True)"),
+        "4.self_attn.out_proj": SUBCLASS, "4.linear1": reads, "4.linear2": reads,
+        "5": "int4 per channel; its forward hooks (or forward override) are not carried over",
+        "6": "int4 per channel",
     }
-    assert [type(m).__name__ for m in model] == ["Linear", "Linear", "Linear", "LazyLinear", "QuantizedLinear"]
+    assert [type(m).__name__ for m in model] == ["Linear", "Linear", "LazyLinear", "ParametrizedLinear",
+                                                 "TransformerEncoderLayer", "QuantizedLinear", "QuantizedLinear"]
+    with torch.no_grad():  # the encoder layer's eval fast path still finds its weights
+        model[4].eval()(torch.randn(2, 3, 64))
     # dtype= quantises the float64 layer from bf16, and int8 takes the odd one
     report = pg.nn.quantize_linears(model, bits=8, dtype=bf16, group_size=None)
-    assert report["1"] == report["2"] == "int8 per channel" and model[1].scales.dtype == bf16
-    assert "4" not in report  # already a QuantizedLinear
+    assert report["0"] == report["1"] == "int8 per channel" and model[0].scales.dtype == bf16
+    assert "6" not in report  # already a QuantizedLinear
+
+
+def test_quantize_linears_ties_containers_modes_and_compile():
+    # a ModuleDict, two plain Linears sharing one weight, a frozen layer in train mode, and the
+    # model handed over through torch.compile's wrapper (names without "_orig_mod.")
+    a, b = nn.Linear(64, 64), nn.Linear(64, 64)
+    b.weight = a.weight
+    frozen = nn.Linear(64, 32).requires_grad_(False)
+    model = nn.Sequential()
+    model.add_module("d", nn.ModuleDict({"a": a, "b": b}))
+    model.add_module("frozen", frozen)
+    model.train()
+    compiled = torch.compile(model)
+    report = pg.nn.quantize_linears(compiled, bits=8, group_size=32)
+    assert report == {
+        "d.a": "int8 g32; its weight was tied to d.b.weight, which is quantised on its own",
+        "d.b": "int8 g32; its weight was tied to d.a.weight, which is quantised on its own",
+        "frozen": "int8 g32",
+    }
+    assert type(model.d.a) is type(model.d.b) is pg.nn.QuantizedLinear and model.d.a is not model.d.b
+    assert model.frozen.training and not model.frozen.bias.requires_grad
+    assert model.d.a.training and model.d.a.bias.requires_grad
+    with pytest.raises(TypeError, match="for a single layer use QuantizedLinear.from_linear"):
+        pg.nn.quantize_linears(torch.compile(nn.Linear(64, 8)))
+
+
+def test_quantize_linears_changes_nothing_when_it_fails_midway():
+    model = nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 4), nn.Linear(4, 2))
+
+    def filter_fn(module, name):
+        if name == "2":
+            raise RuntimeError("a filter that fails on the last layer")
+        return True
+
+    with pytest.raises(RuntimeError, match="a filter that fails"):
+        pg.nn.quantize_linears(model, bits=8, group_size=None, filter_fn=filter_fn)
+    assert all(type(m) is nn.Linear for m in model)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_meta_model_takes_a_quantised_state_dict(device):
+    # The way to load a large quantised checkpoint: the model built on meta (no memory), its
+    # Linears made empty QuantizedLinears, then load_state_dict(assign=True).
+    source = make_model(device, bf16)
+    pg.nn.quantize_linears(source, bits=4, group_size=128)
+    with torch.device("meta"):
+        model = Model().to(bf16).eval()
+    report = pg.nn.quantize_linears(model, bits=4, group_size=128)
+    assert report["blocks.0.up"] == "int4 g128 (empty, on meta: load a quantised state_dict with assign=True)"
+    assert model.blocks[0].up.qweight.is_meta
+    model.load_state_dict(source.state_dict(), assign=True)
+    model.head.weight = model.emb.weight  # (assign=True leaves ties to the caller, as for any model)
+    ids = torch.randint(0, 50, (2, 5), device=device)
+    with torch.no_grad():
+        assert torch.equal(model(ids), source(ids))
+NONE = lambda module, name: False  # noqa: E731  (keeps every layer)
 
 
 @pytest.mark.parametrize("call,exc,match", [
     (lambda m: pg.nn.quantize_linears(nn.Linear(64, 8)), TypeError,
      r"replaces the nn.Linear layers inside a module; for a single layer use QuantizedLinear.from_linear"),
     (lambda m: pg.nn.quantize_linears({"fc": nn.Linear(64, 8)}), TypeError, r"takes a torch.nn.Module, got dict"),
-    (lambda m: pg.nn.quantize_linears(m, bits=3), ValueError, r"bits must be 4 or 8, got 3"),
-    (lambda m: pg.nn.quantize_linears(m, bits=True), ValueError, r"bits must be 4 or 8, got True"),
-    (lambda m: pg.nn.quantize_linears(m, group_size=0), ValueError, r"group_size must be None \(per channel\)"),
-    (lambda m: pg.nn.quantize_linears(m, dtype=torch.float64), ValueError,
+    (lambda m: pg.nn.quantize_linears(m, filter_fn=NONE, bits=3), ValueError, r"bits must be 4 or 8, got 3"),
+    (lambda m: pg.nn.quantize_linears(m, filter_fn=NONE, bits=True), ValueError, r"bits must be 4 or 8, got True"),
+    (lambda m: pg.nn.quantize_linears(m, filter_fn=NONE, group_size=0), ValueError, r"group_size must be None \(per channel\)"),
+    (lambda m: pg.nn.quantize_linears(m, filter_fn=NONE, dtype=torch.float64), ValueError,
      r"dtype must be None \(each layer's own\), torch.float32, torch.float16 or torch.bfloat16, got torch.float64"),
 ], ids=["a Linear", "not a module", "bits 3", "bits True", "group 0", "dtype f64"])
 def test_quantize_linears_refuses_bad_arguments_before_replacing(call, exc, match):
+    # (a filter that keeps every layer: the errors must come from the argument checks, not
+    # from building a layer)
     model = nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 4))
     with pytest.raises(exc, match=match):
         call(model)

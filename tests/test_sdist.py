@@ -116,7 +116,8 @@ def test_sdist_holds_what_a_build_reads_and_no_build_products(sdist):
     # ... except the committed benchmark results, which stay in the repository.
     results = sorted(n for n in names if n.startswith("bench/results/"))
     assert not results, results[:10]
-    assert {f for f in tracked if f.startswith("bench/") and f.endswith(".py")} <= have
+    scripts = {f for f in tracked if f.startswith("bench/") and f.endswith(".py")}
+    assert scripts and not scripts - have, sorted(scripts - have)
     assert sdist.stat().st_size < 2 << 20, f"{sdist.stat().st_size / 2**20:.1f} MiB"
 
 

@@ -84,16 +84,29 @@ def _outcome(bits: int, group_size: int | None) -> str:
     return f"int{bits} " + (f"g{group_size}" if group_size else "per channel")
 
 
-def _kept_because(linear: torch.nn.Linear, bits: int, group_size: int | None,
-                  dtype: torch.dtype | None) -> str | None:
+# Modules of torch that read a child Linear's .weight themselves (TransformerEncoderLayer's
+# fast path in eval mode passes linear1.weight and linear2.weight to one fused kernel).
+_READS_CHILD_WEIGHT = (torch.nn.TransformerEncoderLayer,)
+
+
+def _kept_because(linear: torch.nn.Linear, parents: list[torch.nn.Module], bits: int,
+                  group_size: int | None, dtype: torch.dtype | None) -> str | None:
     """Why `linear` cannot become a QuantizedLinear with these settings, or None."""
+    w = linear.weight
+    if isinstance(w, torch.nn.parameter.UninitializedParameter):
+        return "a lazy layer whose weight is not materialised yet: run a forward first"
+    if torch.nn.utils.parametrize.is_parametrized(linear):
+        return ("its weight is parametrized (torch.nn.utils.parametrize): remove that first, e.g. "
+                "parametrize.remove_parametrizations(layer, 'weight', leave_parametrized=True)")
     if type(linear) is not torch.nn.Linear:
         return (f"a subclass of nn.Linear ({type(linear).__qualname__}): the code around it may read "
                 "its .weight (nn.MultiheadAttention does), so only plain nn.Linear is replaced")
-    w = linear.weight
-    if isinstance(w, torch.nn.parameter.UninitializedParameter) or w.is_meta:
-        return "its weight is not materialised (meta device or lazy): load the weights first"
-    if w.device.type not in ("cpu", "cuda"):
+    for parent in parents:
+        if isinstance(parent, _READS_CHILD_WEIGHT):
+            return f"its parent, a {type(parent).__qualname__}, reads its .weight"
+    if type(w) is not torch.nn.Parameter and type(w) is not torch.Tensor:
+        return f"its weight is a {type(w).__qualname__}, not a plain tensor"
+    if w.device.type not in ("cpu", "cuda", "meta"):
         return f"its weight is on {w.device.type}; the kernels run on cpu and cuda"
     target = dtype or w.dtype
     if target not in _DTYPES:
@@ -108,23 +121,35 @@ def _kept_because(linear: torch.nn.Linear, bits: int, group_size: int | None,
 
 def quantize_linears(model: torch.nn.Module, *, bits: int = 4, group_size: int | None = 128,
                      dtype: torch.dtype | None = None,
-                     filter_fn: Callable[[str, torch.nn.Linear], bool] | None = None) -> dict[str, str]:
+                     filter_fn: Callable[[torch.nn.Module, str], bool] | None = None) -> dict[str, str]:
     """Replace, in place, every `nn.Linear` inside `model` by `QuantizedLinear.from_linear(
     linear, bits=bits, group_size=group_size, dtype=dtype)`, and say what happened to each.
 
-    Returns {qualified name: outcome} for every nn.Linear found, in `named_modules` order:
-    "int4 g128" (or "int8 per channel", ...) where it was replaced, "kept: <reason>" where
-    not. A layer is kept when `filter_fn(name, linear)` returns False (e.g. to keep an
-    `lm_head` in full precision), when it is a subclass of nn.Linear (its owner may read
-    `.weight`, as nn.MultiheadAttention does with its `out_proj`), when its weight is not
-    materialised or not on cpu / cuda, when its dtype is not one the kernels take, or when
-    `group_size` does not divide its in_features (int4 also needs it even). A module that
-    appears at several places is replaced by one QuantizedLinear at all of them; a weight
-    that is also a parameter elsewhere (tied embeddings) is noted, since that float copy stays.
-    Forward hooks and other attributes of a replaced layer are not carried over. `bits` and
-    `group_size` are checked before anything is replaced."""
+    Returns {qualified name: outcome} for every nn.Linear found, in the order of
+    `model.named_modules(remove_duplicate=False)`: "int4 g128" (or "int8 per channel", ...)
+    where it was replaced, "kept: <reason>" where not. A layer is kept when `filter_fn(module,
+    name)` (torchao's order) is false for any of its names (e.g. to keep an `lm_head` in full
+    precision), when it is a subclass of nn.Linear (its owner may read `.weight`, as
+    nn.MultiheadAttention does with its `out_proj`) or parametrized, when its parent is a
+    torch module that reads its `.weight` (nn.TransformerEncoderLayer), when its weight is
+    lazy, a tensor subclass or not on cpu / cuda, when its dtype is not one the kernels take,
+    or when `group_size` does not divide its in_features (int4 also needs it even). Other code
+    that reads a replaced layer's `.weight` fails; keep such layers with `filter_fn`.
+
+    A layer on the meta device (a model built under `torch.device("meta")`) becomes an empty
+    QuantizedLinear on meta, to be filled by `model.load_state_dict(quantised_state_dict,
+    assign=True)`. A module at several places is replaced by one QuantizedLinear at all of them.
+    A weight that is also a parameter of a module not replaced (tied embeddings) keeps its
+    float copy there; the report says so. The replacement keeps the layer's training mode and
+    its bias' requires_grad; forward hooks are not carried over (the report says when a layer
+    had some). `model` may be a torch.compile'd module (its original module is converted).
+
+    Every argument is checked, every `filter_fn` called and every new layer built before the
+    first one is put in place: an error leaves the model as it was. `group_size` defaults to
+    128 for int8 too (None: one scale per output channel)."""
     from .ops import _bits_code
 
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     if isinstance(model, torch.nn.Linear):
         raise TypeError("quantize_linears replaces the nn.Linear layers inside a module; for a single "
                         "layer use QuantizedLinear.from_linear(linear, ...)")
@@ -138,45 +163,67 @@ def quantize_linears(model: torch.nn.Module, *, bits: int = 4, group_size: int |
         raise ValueError(f"dtype must be None (each layer's own), torch.float32, torch.float16 or "
                          f"torch.bfloat16, got {dtype!r}")
 
-    # Every name each parameter is reachable under, to spot weights held elsewhere too.
+    # Every place each Linear sits: (parent, attribute, qualified name), collected first.
+    places: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
+    linears: dict[int, torch.nn.Linear] = {}
+    order: list[str] = []
+    for name, child in model.named_modules(remove_duplicate=False):  # (named_children drops repeats)
+        if isinstance(child, torch.nn.Linear):
+            order.append(name)
+            parent_name, _, attr = name.rpartition(".")
+            places.setdefault(id(child), []).append((model.get_submodule(parent_name), attr, name))
+            linears[id(child)] = child
+
+    # Phase 1: decide, and build every replacement.
+    decided: dict[int, tuple[QuantizedLinear | None, str]] = {}
+    for key, linear in linears.items():
+        names = [n for _, _, n in places[key]]
+        why = None
+        if filter_fn is not None:
+            refused = [n for n in names if not filter_fn(linear, n)]
+            if refused:
+                why = f"filter_fn returned False for {refused[0]}"
+        if why is None:
+            why = _kept_because(linear, [p for p, _, _ in places[key]], bits, group_size, dtype)
+        if why is not None:
+            decided[key] = (None, f"kept: {why}")
+            continue
+        if linear.weight.is_meta:
+            new = QuantizedLinear(linear.in_features, linear.out_features, bits=bits, group_size=group_size,
+                                  bias=linear.bias is not None, dtype=dtype or linear.weight.dtype,
+                                  device="meta")
+            outcome = _outcome(bits, group_size) + " (empty, on meta: load a quantised state_dict with assign=True)"
+        else:
+            new = QuantizedLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype)
+            outcome = _outcome(bits, group_size)
+        new.train(linear.training)
+        if new.bias is not None:
+            new.bias.requires_grad_(linear.bias.requires_grad)
+        if linear._forward_hooks or linear._forward_pre_hooks or "forward" in vars(linear):
+            outcome += "; its forward hooks (or forward override) are not carried over"
+        decided[key] = (new, outcome)
+
+    # Ties to parameters of modules that stay (a head tied to the embedding).
+    replaced_prefixes = tuple(n + "." for key, (new, _) in decided.items() if new is not None
+                              for _, _, n in places[key])
     holders: dict[int, list[str]] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(p), []).append(pname)
 
-    # (parent, attribute, qualified name, linear), collected before anything changes
-    found: list[tuple[torch.nn.Module, str, str, torch.nn.Linear]] = []
-    for name, child in model.named_modules(remove_duplicate=False):  # (named_children drops repeats)
-        if isinstance(child, torch.nn.Linear):
-            parent_name, _, attr = name.rpartition(".")
-            found.append((model.get_submodule(parent_name), attr, name, child))
-
-    paths: dict[int, list[str]] = {}  # id(linear) -> every name it has
-    for _, _, name, linear in found:
-        paths.setdefault(id(linear), []).append(name + ".")
-
+    # Phase 2: put them in place and report.
     report: dict[str, str] = {}
-    made: dict[int, tuple[str, QuantizedLinear | None, str]] = {}  # id(linear) -> first name, module, outcome
-    for parent, attr, name, linear in found:
-        if id(linear) in made:
-            first, new, outcome = made[id(linear)]
-            if new is not None:
+    first_name = {key: places[key][0][2] for key in places}
+    for key, (new, outcome) in decided.items():
+        if new is not None:
+            own = tuple(f"{n}." for _, _, n in places[key])
+            others = [n for n in holders.get(id(linears[key].weight), []) if not n.startswith(own)]
+            kept_copies = [n for n in others if not n.startswith(replaced_prefixes)]
+            if kept_copies:
+                outcome += f"; its weight is also {kept_copies[0]}, which keeps the float copy"
+            elif others:  # only other replaced layers held it
+                outcome += f"; its weight was tied to {others[0]}, which is quantised on its own"
+            for parent, attr, _ in places[key]:
                 setattr(parent, attr, new)
-            report[name] = f"{outcome} (the same module as {first})"
-            continue
-        why = "filter_fn returned False" if filter_fn is not None and not filter_fn(name, linear) else \
-            _kept_because(linear, bits, group_size, dtype)
-        if why is not None:
-            made[id(linear)] = (name, None, f"kept: {why}")
-            report[name] = f"kept: {why}"
-            continue
-        new = QuantizedLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype)
-        new.train(linear.training)
-        outcome = _outcome(bits, group_size)
-        own = tuple(paths[id(linear)])
-        elsewhere = [n for n in holders.get(id(linear.weight), []) if not n.startswith(own)]
-        if elsewhere:
-            outcome += f"; its weight is also {elsewhere[0]}, which keeps the float copy"
-        made[id(linear)] = (name, new, outcome)
-        setattr(parent, attr, new)
-        report[name] = outcome
-    return report
+        for i, (_, _, name) in enumerate(places[key]):
+            report[name] = outcome if i == 0 else f"{outcome} (the same module as {first_name[key]})"
+    return {name: report[name] for name in order}
