@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _tree import tree_files
 
 REPO = Path(__file__).resolve().parents[1]  # no conftest: these checks need no torch
 
@@ -132,8 +133,7 @@ def test_workflow_scripts_pass_shellcheck(workflow, tmp_path):
 
 def test_repository_shell_scripts_pass_shellcheck():
     shellcheck = tool("shellcheck")
-    files = subprocess.run(["git", "ls-files", "*.sh", ".ci/run"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = [f for f in tree_files() if f.endswith(".sh") or f == ".ci/run"]
     assert ".ci/run" in files and "ci/dev.sh" in files, files
     r = subprocess.run([shellcheck, "-s", "bash", "-S", "warning", "-f", "gcc", *files], cwd=REPO,
                        capture_output=True, text=True)
