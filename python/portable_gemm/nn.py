@@ -212,7 +212,6 @@ def quantize_linears(model: torch.nn.Module, *, bits: int = 4, group_size: int |
 
     # Phase 2: put them in place and report.
     report: dict[str, str] = {}
-    first_name = {key: places[key][0][2] for key in places}
     for key, (new, outcome) in decided.items():
         if new is not None:
             own = tuple(f"{n}." for _, _, n in places[key])
@@ -224,6 +223,7 @@ def quantize_linears(model: torch.nn.Module, *, bits: int = 4, group_size: int |
                 outcome += f"; its weight was tied to {others[0]}, which is quantised on its own"
             for parent, attr, _ in places[key]:
                 setattr(parent, attr, new)
-        for i, (_, _, name) in enumerate(places[key]):
-            report[name] = outcome if i == 0 else f"{outcome} (the same module as {first_name[key]})"
+        first = places[key][0][2]
+        for _, _, name in places[key]:
+            report[name] = outcome if name == first else f"{outcome} (the same module as {first})"
     return {name: report[name] for name in order}
