@@ -16,7 +16,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -36,7 +35,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _compile_cache, ignore_errors=True)
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from _tree import REPO  # noqa: E402  (the one definition of the repository root)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Relative Frobenius error allowed against a float64 reference. Output rounding dominates:

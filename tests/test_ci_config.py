@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _tree import tree_files
+from _tree import REPO, tree_files  # (not conftest: these checks need no torch)
 
-REPO = Path(__file__).resolve().parents[1]  # no conftest: these checks need no torch
 
 WORKFLOW = REPO / ".github" / "workflows" / "wheels.yml"
 # GitHub's default `run` shell on Linux when `shell` is not set (bash -e {0})
