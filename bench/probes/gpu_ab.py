@@ -216,12 +216,27 @@ INT8_CASES = [
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
+# --cases pdl: run 128's cases (each GEMV launch a programmatic dependent launch of the
+# kernel before it, bench/probes/gemv_pdl_calls.patch; not kept): M = 1, 8 and 16 on the goal
+# shapes' int4 g128 and int8, the smallest and the largest weights, plus N % 32 != 0 (the
+# last rows' launch). With --pre, every call follows a kernel of another library.
+PDL_CASES = [
+    (8192, 8192, 4, 128, 1, "bf16"), (8192, 8192, 4, 128, 8, "bf16"), (8192, 8192, 4, 128, 16, "bf16"),
+    (8192, 8192, 4, 0, 16, "bf16"), (8192, 8192, 8, 0, 1, "bf16"), (8192, 8192, 8, 128, 16, "bf16"),
+    (28672, 8192, 4, 128, 1, "bf16"), (28672, 8192, 4, 128, 16, "bf16"), (28672, 8192, 8, 0, 16, "bf16"),
+    (4096, 4096, 4, 128, 1, "bf16"), (4096, 4096, 4, 128, 16, "bf16"), (4096, 12288, 4, 128, 16, "bf16"),
+    (8192, 8196, 4, 128, 16, "bf16"),
+]
+
+
 def name(c) -> str:
     k, n, bits, g, m, dt = c
     return f"({k},{n}) int{bits} g{g or 'ch'} M={m} {dt}"
 
 
-def run(tag: str, out: Path, cases=CASES) -> None:
+def run(tag: str, out: Path, cases=CASES, pre: bool = False) -> None:
+    """pre: before each call of ours and of F.linear, an in-place elementwise kernel on x
+    (x *= 1), so that every call follows a kernel that writes its input, as in a model."""
     import portable_gemm as pg
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -236,9 +251,13 @@ def run(tag: str, out: Path, cases=CASES) -> None:
 
         def ours(i=0):
             qq, ss = qs[i % nq]
+            if pre:
+                x.mul_(1)
             return pg.mixed_linear(x, qq, ss, bits=bits, group_size=g or None)
 
         def ref(i=0):
+            if pre:
+                x.mul_(1)
             return torch.nn.functional.linear(x, ws[i % len(ws)])
 
         res[name(c)] = {
@@ -340,10 +359,12 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--tag", required=True)
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4", "pair", "route4", "peel", "route5", "int8"], default="small",
+    r.add_argument("--pre", action="store_true", help="an elementwise kernel writing x before every call (ours and F.linear)")
+    r.add_argument("--cases", choices=["small", "mid", "wg", "edge", "edge2", "mid2", "refused", "tail", "four4", "pair", "route4", "peel", "route5", "int8", "pdl"], default="small",
                    help="small: M <= 16 (the default list); mid: 16 < M <= 64; wg: M = 9..32; edge, edge2: M = 17..32; "
                         "mid2: M = 33..64; refused: M = 33..64 where the sm_90 GEMM refuses the arguments; tail: N %% 32 != 0; four4: int4 M = 17..64 at K <= 8192; pair: int4 M = 9..32 (run 77); route4: int4 M = 17..32 from 48 MiB; "
-                        "peel: small plus M = 24/32 and f16 x (run 79); route5: int4 M = 17..32 at 32-112 MiB (run 79)")
+                        "peel: small plus M = 24/32 and f16 x (run 79); route5: int4 M = 17..32 at 32-112 MiB (run 79); "
+                        "pdl: M = 1/8/16 on the smallest, goal and largest shapes (run 128)")
     c = sub.add_parser("compare")
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("a")
@@ -360,7 +381,8 @@ def main() -> int:
     if args.cmd == "run":
         run(args.tag, args.out, {"small": CASES, "mid": MID_CASES, "wg": WG_CASES, "edge": EDGE_CASES, "edge2": EDGE2_CASES,
              "mid2": MID2_CASES, "refused": REFUSED_CASES, "tail": TAIL_CASES, "four4": FOUR4_CASES,
-             "pair": PAIR_CASES, "route4": ROUTE4_CASES, "peel": PEEL_CASES, "route5": ROUTE5_CASES, "int8": INT8_CASES}[args.cases])
+             "pair": PAIR_CASES, "route4": ROUTE4_CASES, "peel": PEEL_CASES, "route5": ROUTE5_CASES, "int8": INT8_CASES,
+             "pdl": PDL_CASES}[args.cases], pre=args.pre)
     else:
         compare(args.out, args.a, args.b)
     return 0
