@@ -459,6 +459,72 @@ def test_gemv_last_rows_launch_keeps_stream_order(m, bits, group):
         assert torch.equal(snap, want), "a kernel after the GEMV saw rows not yet written"
 
 
+# The GEMV must read its inputs only after the kernel right before it in the stream has
+# finished writing them. Its launches are plain stream launches today; on sm_90 the last
+# rows' launch starts beside the whole blocks' (run 67), and run 128 tried every GEMV launch
+# as a programmatic dependent launch of the kernel before it (not kept: bench/GPU_NOTES.md).
+# Two orders, in a fresh process with the tests' output fill off (its memset before every op
+# would stand between the kernels, and did hide run 128's mutation without the wait):
+# - the kernel right before the GEMV is a reduction that writes one of x, the weights or the
+#   scales only as it ends (a sum over rows that are zero but for one), into a buffer that
+#   held NaN or zeros;
+# - the kernel right before is a GEMV whose output the next GEMV reads as x. x differs from
+#   round to round, so output memory reused from the round before holds other values.
+# A GEMV that read its input too early would see the old contents: with run 128's launches
+# and no griddepcontrol.wait this failed. N = 8196 also takes the last rows' launch.
+_INPUT_ORDER_CHECK = """
+import torch, portable_gemm as pg
+def rand(shape):
+    return torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+bad, k, rows = [], 8192, 24
+for n in (8192, 8196):
+    for m in (1, 16):
+        for bits, group in ((4, 128), (8, None)):
+            x_src = rand((m, k))
+            q_src, s_src = pg.quantize_weight(rand((n, k)), bits=bits, group_size=group)
+            want = pg.mixed_linear(x_src, q_src, s_src, bits=bits, group_size=group)
+            big = {}
+            for name, t in (("x", x_src), ("qweight", q_src), ("scales", s_src)):
+                big[name] = torch.zeros((rows, *t.shape), dtype=t.dtype, device="cuda")
+                big[name][-1] = t
+            for last in ("x", "qweight", "scales"):
+                for _ in range(5):
+                    dst = {"x": torch.full_like(x_src, float("nan")), "qweight": torch.zeros_like(q_src),
+                           "scales": torch.full_like(s_src, float("nan"))}
+                    for name in sorted(dst, key=lambda name: name == last):
+                        torch.sum(big[name], dim=0, dtype=dst[name].dtype, out=dst[name])
+                    out = pg.mixed_linear(dst["x"], dst["qweight"], dst["scales"], bits=bits, group_size=group)
+                    torch.cuda.synchronize()
+                    if not torch.equal(out, want):
+                        bad.append(f"sum writing {last} before int{bits} n={n} m={m}")
+        q1, s1 = pg.quantize_weight(rand((k, k)), bits=4, group_size=128)
+        q2, s2 = pg.quantize_weight(rand((n, k)), bits=8)
+        xs, want = [rand((m, k)) for _ in range(6)], []
+        for x in xs:
+            h = pg.mixed_linear(x, q1, s1, bits=4, group_size=128)
+            torch.cuda.synchronize()
+            want.append(pg.mixed_linear(h, q2, s2, bits=8))
+            torch.cuda.synchronize()
+        for x, w in zip(xs, want):
+            h = pg.mixed_linear(x, q1, s1, bits=4, group_size=128)
+            y = pg.mixed_linear(h, q2, s2, bits=8)
+            del h
+            torch.cuda.synchronize()
+            if not torch.equal(y, w):
+                bad.append(f"GEMV before GEMV n={n} m={m}")
+print("\\n".join(bad) or "all in order")
+"""
+
+
+def test_gemv_reads_its_inputs_only_after_the_kernel_before_it():
+    env = {"PORTABLE_GEMM_FILL_OUTPUTS": "0"}
+    if os.environ.get("PORTABLE_GEMM_TARGET"):  # a forced-target session: the child's too
+        env["PORTABLE_GEMM_TARGET"] = os.environ["PORTABLE_GEMM_TARGET"]
+    r = run_python(_INPUT_ORDER_CHECK, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "all in order", r.stdout
+
+
 # N not a multiple of the tensor-core GEMV's block of rows (32; 16 for int8 at M > 16): the
 # last N % 32 rows run as one more whole block that ends at row N and shares rows with the
 # last block before it; both store them. Every row must be right, the rows before the last
