@@ -273,3 +273,33 @@ def test_quantize_linears_refuses_bad_arguments_before_replacing(call, exc, matc
     with pytest.raises(exc, match=match):
         call(model)
     assert all(type(m) is nn.Linear for m in model)
+
+
+# QuantizedLinear.dequantize and .to_linear: the float weight the layer multiplies by, equal to
+# conftest's float64 dequantisation rounded once to the dtype (and to it whole in float64),
+# and an nn.Linear that computes what the layer does.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [f32, bf16], ids=str)
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, None), (4, 32)], ids=str)
+def test_quantized_linear_dequantize_and_to_linear(device, dtype, bits, group):
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, device=device, dtype=dtype)
+    layer = pg.nn.QuantizedLinear.from_linear(linear, bits=bits, group_size=group)
+    want = dequant_ref(layer.qweight, layer.scales, bits, group)
+    w = layer.dequantize()
+    assert (w.shape, w.dtype, w.device.type, w.requires_grad) == ((96, 256), dtype, device, False)
+    assert torch.equal(w, want.to(dtype))
+    assert torch.equal(layer.dequantize(torch.float64), want)
+
+    rng = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
+    before = rng()
+    back = layer.to_linear()
+    assert torch.equal(rng(), before), "to_linear drew random numbers (an initialisation it overwrites)"
+    assert type(back) is nn.Linear and back.weight.dtype == dtype and back.weight.device.type == device
+    assert torch.equal(back.weight, w) and torch.equal(back.bias, layer.bias)
+    assert back.weight.requires_grad and back.weight.data_ptr() != w.data_ptr()
+    x = torch.randn(5, 256, device=device, dtype=dtype)
+    assert_close(layer(x), x.double() @ want.T + layer.bias.double(), dtype)
+    assert_close(back(x), x.double() @ want.T + layer.bias.double(), dtype)
+    assert pg.nn.QuantizedLinear(256, 96, bias=False).to_linear().bias is None
+    assert layer.to_linear(torch.float16).weight.dtype == torch.float16

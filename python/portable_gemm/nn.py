@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .ops import _group_code, mixed_linear, quantize_weight
+from .ops import _group_code, dequantize_weight, mixed_linear, quantize_weight
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -73,6 +73,29 @@ class QuantizedLinear(torch.nn.Module):
                             "with .float(), .half() or .to(torch.bfloat16)")
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return mixed_linear(x, self.qweight, self.scales, bits=self.bits, group_size=self.group_size, bias=bias)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight [out_features, in_features] the layer multiplies by
+        (`dequantize_weight` of its qweight and scales), in `dtype`, the scales' unless given.
+        A new tensor on the layer's device each call, outside autograd: for inspecting the
+        weight, merging an adapter into it, or exporting it. The layer has no `.weight`."""
+        with torch.no_grad():
+            return dequantize_weight(self.qweight, self.scales, bits=self.bits, group_size=self.group_size,
+                                     dtype=dtype)
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> torch.nn.Linear:
+        """An `nn.Linear` with the dequantised weight and the bias, on the layer's device, in
+        `dtype` (the scales' unless given): the way back for code that needs a float layer."""
+        dtype = dtype or self.scales.dtype
+        # skip_init: no random initialisation (it would advance the user's generator) of a
+        # weight that is overwritten next
+        linear = torch.nn.utils.skip_init(torch.nn.Linear, self.in_features, self.out_features,
+                                          bias=self.bias is not None, device=self.qweight.device, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.dequantize(dtype))
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
 
     def extra_repr(self) -> str:
         g = f"group_size={self.group_size}" if self.group_size else "per-channel"

@@ -248,7 +248,9 @@ def mixed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
 
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
                       group_size: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The [N, K] weight that quantize_weight's output stands for (torch ops, any device).
+    """The [N, K] weight that quantize_weight's output stands for (torch ops, any device), in
+    `dtype` (the scales' unless given): q * s computed in float32 and cast to it (exact in
+    float32 for fp16 / bf16 scales), or for a float64 result computed in float64, exactly.
     Checks qweight and scales as mixed_linear does."""
     op = f"{NAMESPACE}.dequantize_weight"
     if not (isinstance(qweight, _Tensor) and isinstance(scales, _Tensor)):
@@ -264,9 +266,11 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
         low = (qweight.to(torch.int16) << 12 >> 12).to(torch.int8)   # sign-extend nibble
         high = (qweight.to(torch.int16) << 8 >> 12).to(torch.int8)
         q = torch.stack((low, high), dim=-1).reshape(n, k)
-    s = scales.to(torch.float32)
+    # q * s is exact in float64; in float32 it is rounded once (exact for fp16 / bf16 scales)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    s = scales.to(work)
     s = s.repeat_interleave(group, dim=1) if group else s.reshape(n, 1)
-    return (q.to(torch.float32) * s).to(dtype or scales.dtype)
+    return (q.to(work) * s).to(dtype or scales.dtype)
 
 
 # ---- input checks of the C++ op bodies (src/torch/ops_common.h), same order and messages:
