@@ -33,7 +33,7 @@ WEIGHT_SHAPES = [(4096, 4096), (4096, 12288), (4096, 22016), (11008, 4096), (819
 MS = [1, 2, 4, 8, 16, 32, 64, 256]
 # The section of bench/CPU_NOTES.md that describes the kernels this version of the bench was
 # written for; each run records it, so a table's bound texts name what held that run's code.
-NOTES_SECTION = 68
+NOTES_SECTION = 73
 
 
 def sysfs_caches() -> list[tuple[str, str, str]]:

@@ -12,6 +12,7 @@
 #   bash ci/dev.sh matrix [args]   the runtime matrix (one venv per torch release, uv cache)
 #   bash ci/dev.sh bench [args]    CPU benchmark (ratios against torch in the same process)
 #   bash ci/dev.sh isa-paths [args] the CPU kernel tests once per unit below this CPU's best
+#                           (and the mixed_linear tests on AVX2 with PORTABLE_GEMM_AVX2_DQ=1)
 #   bash ci/dev.sh sanitize [args] the CPU suite under an ASan+UBSan build (ci/sanitize.sh)
 #   bash ci/dev.sh abi3 [args]     the cp312-abi3 wheel (what 3.12 and later install) built with
 #                           Python 3.12 into dist-abi3/, then the test suite under Python 3.13
@@ -185,11 +186,19 @@ import portable_gemm as p
 n = p.info()['features']['cpu_isa']
 print(n, ' '.join(list(R)[:list(R.values()).index(n)]))")
   read -r native lower <<< "$units"
-  [ -n "$lower" ] || { echo "isa-paths: the CPU runs the $native kernels; none below them"; return 0; }
   for isa in $lower; do
     log "CPU kernel tests with PORTABLE_GEMM_ISA=$isa (this CPU: $native)"
     (cd tests && PORTABLE_GEMM_ISA=$isa "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${files[@]}" -k "not cuda" "$@")
   done
+  # AVX2's dequantise-once path (small_rows_dq_avx2) on every core, the later Zen cores included,
+  # which never take it by default
+  if [ "$native" != generic ]; then
+    log "mixed_linear tests with PORTABLE_GEMM_ISA=avx2 PORTABLE_GEMM_AVX2_DQ=1 (this CPU: $native)"
+    (cd tests && PORTABLE_GEMM_ISA=avx2 PORTABLE_GEMM_AVX2_DQ=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+      test_mixed_linear.py -k "not cuda" "$@")
+  else
+    echo "isa-paths: the CPU runs the generic kernels; none below them"
+  fi
 }
 
 cmd=${1:-}

@@ -73,14 +73,23 @@ def expected_isa_names(isa: str) -> set[str]:
 # "empty" and "unknown": PORTABLE_GEMM_ISA set to "" or to no known name is ignored, so the
 # native choice runs (an empty value once switched AMX off and nothing else).
 UNSET_LIKE = {"empty": "", "unknown": "avx512bf16"}
+# "avx2_dq_on" / "avx2_dq_off": the AVX2 kernels with PORTABLE_GEMM_AVX2_DQ=1 / 0, so that
+# small_rows_dq_avx2 (9-48 rows of x, 13-128 on Zen 1 cores) runs, and does not, on any CPU
+# with AVX2: by default the later Zen cores never take it (bench/CPU_NOTES.md 73).
+AVX2_DQ = {"avx2_dq_on": "1", "avx2_dq_off": "0"}
 
 
-@pytest.mark.parametrize("isa", ["native", "avx512_bf16", "avx512", "avx2", "generic", "empty", "unknown"])
+@pytest.mark.parametrize("isa", ["native", "avx512_bf16", "avx512", "avx2", "avx2_dq_on", "avx2_dq_off", "generic",
+                                 "empty", "unknown"])
 def test_kernel_library_cpp(test_binary, isa):
-    want = expected_isa_names("native" if isa in UNSET_LIKE else isa)
+    want = expected_isa_names("native" if isa in UNSET_LIKE else "avx2" if isa in AVX2_DQ else isa)
     env = dict(os.environ)
     env.pop("PORTABLE_GEMM_ISA", None)
-    if isa != "native":
+    env.pop("PORTABLE_GEMM_AVX2_DQ", None)
+    if isa in AVX2_DQ:
+        env["PORTABLE_GEMM_ISA"] = "avx2"
+        env["PORTABLE_GEMM_AVX2_DQ"] = AVX2_DQ[isa]
+    elif isa != "native":
         env["PORTABLE_GEMM_ISA"] = UNSET_LIKE.get(isa, isa)
     proc = subprocess.run([str(test_binary)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

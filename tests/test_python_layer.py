@@ -472,6 +472,10 @@ def test_installed_manifest_records_its_source():
     ({"PORTABLE_GEMM_POOL": "x"}, "2.9", ["PORTABLE_GEMM_POOL='x' is neither 'own' nor 'openmp'"]),
     ({"PORTABLE_GEMM_POOL": "x"}, None, []),  # the door has no torch ops to put on a pool
     ({"PORTABLE_GEMM_HUGE_PAGES": "no"}, "2.10", ["PORTABLE_GEMM_HUGE_PAGES='no' is neither '0' (off) nor '1'"]),
+    ({"PORTABLE_GEMM_AVX2_DQ": "0"}, "2.13", []),
+    ({"PORTABLE_GEMM_AVX2_DQ": "1", "PORTABLE_GEMM_ISA": ""}, None, []),
+    ({"PORTABLE_GEMM_AVX2_DQ": "on"}, "2.9", ["PORTABLE_GEMM_AVX2_DQ='on' is neither '0' (never) nor '1'"]),
+    ({"PORTABLE_GEMM_AVX2_DQ": "yes"}, None, ["PORTABLE_GEMM_AVX2_DQ='yes' is neither"]),
     ({"PORTABLE_GEMM_ISA": "x", "PORTABLE_GEMM_POOL": "own", "PORTABLE_GEMM_NUM_THREADS": "0"}, "2.10",
      ["PORTABLE_GEMM_ISA='x'", "PORTABLE_GEMM_NUM_THREADS='0' is not", "PORTABLE_GEMM_POOL='own' applies"]),
 ])

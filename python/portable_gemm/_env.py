@@ -47,6 +47,10 @@ def problems(environ: Mapping[str, str], *, cpu_isa: str, target: str | None = N
     if huge not in (None, "", "0", "1"):
         out.append(f"PORTABLE_GEMM_HUGE_PAGES={huge!r} is neither '0' (off) nor '1' (on); outputs of 32 MiB "
                    "and more are still offered huge pages")
+    dq = environ.get("PORTABLE_GEMM_AVX2_DQ")
+    if dq not in (None, "", "0", "1"):
+        out.append(f"PORTABLE_GEMM_AVX2_DQ={dq!r} is neither '0' (never) nor '1' (on every AVX2 core); the CPU's "
+                   "core decides where AVX2's dequantise-once path runs")
     fill = environ.get("PORTABLE_GEMM_FILL_OUTPUTS")
     if fill not in (None, "", "0", "1"):
         out.append(f"PORTABLE_GEMM_FILL_OUTPUTS={fill!r} is neither '0' nor '1'; outputs are not filled")

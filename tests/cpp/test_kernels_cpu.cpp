@@ -670,7 +670,8 @@ int main() {
       }
     // Group sizes on both sides of the FMA blocks' k steps (AVX2: 16 k; AVX-512: 16 / 32 k
     // for int8 / int4; others take the row loop), M on every block of rows of x (9 and 49:
-    // AVX2's dq path starts at 9 and ends at 48 except on Zen 1 cores).
+    // AVX2's dq path starts at 9 and ends at 48 where it runs, except on Zen 1 cores;
+    // PORTABLE_GEMM_AVX2_DQ=1 runs it on the later Zen cores too, test_kernels_cpu.py).
     for (int bits : {8, 4})
       for (int64_t gs : {0, 32, 64, 6, 8, 16, 24, 48})
         for (int64_t M : {1, 2, 3, 5, 7, 9, 16, 40, 49}) test_mixed(M, 23, 192, bits, gs, t);

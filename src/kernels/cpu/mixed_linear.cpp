@@ -21,9 +21,9 @@
 //    group, so no horizontal reductions happen inside K. Group sizes that are not a
 //    multiple of the blocks' k step take a plain loop (small_rows_rowwise: a weight row
 //    dequantised into L1, then a dot per row of x). On AVX2-only CPUs from 9 rows of x up
-//    to 48 (on Zen 1 cores from 13, int4 per channel 16, up to 128), any group size:
-//    small_rows_dq_avx2, each pair of weight rows dequantised once, then a 6 x 2 register
-//    tile over every row of x.
+//    to 48 (on Zen 1 cores from 13, int4 per channel 16, up to 128; on the later Zen cores
+//    not at all), any group size: small_rows_dq_avx2, each pair of weight rows dequantised
+//    once, then a 6 x 2 register tile over every row of x.
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
@@ -1312,33 +1312,55 @@ void small_rows_fma(const SmallJob& job, int64_t n0, int64_t n1, float* res, int
 // 256, 1.04x at 512, 0.98x with all of K; at 28672 k and M = 32 chunks of 2048 took 0.89x,
 // all of K 0.80x), so a pass takes the whole rows.
 
-// Zen and Zen+ (AMD family 17h below model 30h, and Hygon's family 18h built on them) run
-// every 256-bit AVX2 operation as two 128-bit halves. There the dense path's FMA-bound
-// micro-kernel is relatively slower than on cores with two full-width FMA pipes (Intel's,
-// Zen 2 on), and the crossovers below sit elsewhere.
-bool avx2_half_width() {
-  static const bool half = [] {
+// The AVX2 cores whose crossovers below were measured apart. Zen and Zen+ (AMD family 17h
+// below model 30h, and Hygon's family 18h built on them) run every 256-bit AVX2 operation
+// as two 128-bit halves: there the dense path's FMA-bound micro-kernel is relatively slower
+// than on cores with two full-width FMA pipes (Intel's, Zen 2 on). The later Zen cores
+// (AMD family 17h from model 30h, 19h and on) are full-width, but small_rows_dq_avx2 ran
+// slower there than what it replaced (bench/CPU_NOTES.md 73).
+enum class Avx2Core { zen_half_width, zen, other };
+Avx2Core avx2_core() {
+  static const Avx2Core core = [] {
     unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return Avx2Core::other;
     char vendor[12];
     std::memcpy(vendor, &b, 4);
     std::memcpy(vendor + 4, &d, 4);
     std::memcpy(vendor + 8, &c, 4);
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return Avx2Core::other;
     unsigned family = (a >> 8) & 0xF, model = (a >> 4) & 0xF;
     if (family == 0xF) {
       family += (a >> 20) & 0xFF;
       model |= ((a >> 16) & 0xF) << 4;
     }
-    return (std::memcmp(vendor, "AuthenticAMD", 12) == 0 && family == 0x17 && model < 0x30) ||
-           (std::memcmp(vendor, "HygonGenuine", 12) == 0 && family == 0x18);
+    const bool amd = std::memcmp(vendor, "AuthenticAMD", 12) == 0;
+    if ((amd && family == 0x17 && model < 0x30) ||
+        (std::memcmp(vendor, "HygonGenuine", 12) == 0 && family == 0x18))
+      return Avx2Core::zen_half_width;
+    return amd && family >= 0x17 ? Avx2Core::zen : Avx2Core::other;
   }();
-  return half;
+  return core;
+}
+bool avx2_half_width() { return avx2_core() == Avx2Core::zen_half_width; }
+
+// PORTABLE_GEMM_AVX2_DQ, read once: "0" never runs small_rows_dq_avx2, "1" runs it on every
+// AVX2 core over that core's rows below (on the later Zen cores Intel's), anything else
+// leaves the choice to the core (the Python layer warns about other values).
+enum class DqRequest { none, off, on };
+DqRequest dq_request() {
+  static const DqRequest req = [] {
+    const char* env = std::getenv("PORTABLE_GEMM_AVX2_DQ");
+    if (env == nullptr) return DqRequest::none;
+    if (std::strcmp(env, "0") == 0) return DqRequest::off;
+    if (std::strcmp(env, "1") == 0) return DqRequest::on;
+    return DqRequest::none;
+  }();
+  return req;
 }
 
 // Rows of x from which small_rows_dq_avx2 runs, against small_rows_fma, which needs a
 // pass over the weights per 4 rows of x. Time against small_rows_fma's, 2 threads, 4096^2
-// unless said (bench/CPU_NOTES.md 53, 55):
+// unless said (bench/CPU_NOTES.md 53, 55, 73):
 //  * the Zen 1 VM: int8 g128 1.26x at M = 8, 1.03x at 12, 0.89x at 13, 0.85-0.94x at 16,
 //    0.77-0.86x at 32; int8 per channel 0.90x at 13; int4 g128 0.92x at 13, 0.88x at 16;
 //    int4 per channel 0.95-0.99x small_rows_fma's time at 13-15 (there small_rows_fma
@@ -1347,6 +1369,10 @@ bool avx2_half_width() {
 //  * a Xeon VM under PORTABLE_GEMM_ISA=avx2: int8 g128 1.07x at M = 8, 0.92x at 10, 0.83x
 //    at 12; int8 per channel 0.90x at 9, 0.89x at 10; int4 g128 0.82x at 12, 0.84x at 10
 //    (8192^2); int4 per channel 0.81x at 10 and 12, 0.80x at 15. From 9 rows.
+//  * a Zen 3 VM (AVX2 only): 1.11-1.54x small_rows_fma's time at M = 9, 12 and 16 (int8
+//    per channel and g128, int4 per channel and g128; 4096^2 and 11008 x 4096), 1.04-1.20x
+//    at 24 and 32, 0.88-1.06x the dense path's at 48 (8 alternating rounds each, medians).
+//    Not run there (nor, unmeasured, on the other full-width Zen cores) unless asked.
 int64_t dq_min_rows(const QuantizedWeight& w) {
   if (!avx2_half_width()) return 9;
   return w.bits == 4 && w.group_size == 0 ? 16 : 13;
@@ -1368,6 +1394,8 @@ int64_t dq_max_rows() { return avx2_half_width() ? 128 : 48; }
 constexpr int64_t kDqMaxX = int64_t(4) << 20;
 bool dq_applies(const MixedLinearArgs& a) {
   const int64_t m = a.x.rows;
+  const DqRequest req = dq_request();
+  if (req == DqRequest::off || (req == DqRequest::none && avx2_core() == Avx2Core::zen)) return false;
   return active_isa() == Isa::avx2 && m >= dq_min_rows(a.w) && m <= dq_max_rows() &&
          m * a.w.k * int64_t(sizeof(float)) <= kDqMaxX;
 }
