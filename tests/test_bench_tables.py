@@ -51,7 +51,8 @@ def met(cells: list[str]) -> bool:
 # f50a460's two runs, 0c7b162 and 8463bc3 the runs before), the AMX
 # host's full runs (run 43c on a quiet host, run 44e on a loaded one), the Zen 5 VM's full runs (58813e3 with target 2.9 on torch's
 # OpenMP, ee8f0a3 with bf16 A read in place, 3f7c079 before it, b02b399 before the tile path's
-# new cuts, and 3d0b749 before its passes of 1024 k), the AVX2 quick runs (a8ef235 with the
+# new cuts, and 3d0b749 before its passes of 1024 k), the AVX2 quick runs (two of 5993f42 on a
+# Zen 3, the dq path off there, and c0fe5f5 before it on the same VM; a8ef235 with the
 # prefetch at every M, c4397dc with the int4 M = 1 offset block, 0ff38c2 with the AVX2 packers,
 # c5ab17b before them, 201cf04 earlier, all with dense rows; 0e42798 without), and the 2-core
 # Xeon VM with AMX (the main table b28457b's with 33-64 rows on amx_linear in chunks; 938b133 with
@@ -64,8 +65,8 @@ def met(cells: list[str]) -> bool:
 # small_rows_dq_avx2 from 13 rows).
 ZEN5_RUNS = ["cpu_bench_zen5", "cpu_bench_zen5_ee8f0a3", "cpu_bench_zen5_3f7c079", "cpu_bench_zen5_b02b399",
              "cpu_bench_zen5_3d0b749"]
-AVX2_FULL_RUNS = ["cpu_bench_avx2", "cpu_bench_avx2_c4397dc", "cpu_bench_avx2_0ff38c2", "cpu_bench_avx2_c5ab17b",
-                  "cpu_bench_avx2_201cf04"]
+AVX2_FULL_RUNS = ["cpu_bench_avx2", "cpu_bench_avx2_5993f42a", "cpu_bench_avx2_c0fe5f5", "cpu_bench_avx2_a8ef235",
+                  "cpu_bench_avx2_c4397dc", "cpu_bench_avx2_0ff38c2", "cpu_bench_avx2_c5ab17b", "cpu_bench_avx2_201cf04"]
 XEON_VM_RUNS = ["cpu_bench_xeon_vm", "cpu_bench_xeon_vm_5495b39a", "cpu_bench_xeon_vm_5495b39b", "cpu_bench_xeon_vm_8932cc2", "cpu_bench_xeon_vm_491ce2c", "cpu_bench_xeon_vm_0cfdf5a", "cpu_bench_xeon_vm_3143c51", "cpu_bench_xeon_vm_6aad8ad", "cpu_bench_xeon_vm_938cc08", "cpu_bench_xeon_vm_76eaba2", "cpu_bench_xeon_vm_f019a74", "cpu_bench_xeon_vm_f3046a1", "cpu_bench_xeon_vm_fdfc653",
                 "cpu_bench_xeon_vm_1fa692e", "cpu_bench_xeon_vm_5cc88a5", "cpu_bench_xeon_vm_dbdff80", "cpu_bench_xeon_vm_0b81b14", "cpu_bench_xeon_vm_b28457b", "cpu_bench_xeon_vm_938b133", "cpu_bench_xeon_vm_a4d1860", "cpu_bench_xeon_vm_76e2888", "cpu_bench_xeon_vm_9ef69af", "cpu_bench_xeon_vm_b94b994", "cpu_bench_xeon_vm_136e673",
                 "cpu_bench_xeon_vm_2f51938", "cpu_bench_xeon_vm_rot128"]
