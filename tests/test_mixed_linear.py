@@ -120,7 +120,8 @@ def test_mixed_linear_m_sweep(device, bits, group):
     q, s = pg.quantize_weight(w, bits=bits, group_size=group)
     wd = dequant_ref(q.cpu(), s.cpu(), bits, group)
     for dtype in X_DTYPES[device]:
-        # 48 / 49 and 128 / 129: AVX2's dq path / the dense path (on Zen 1 cores at 128)
+        # 48 / 49 and 128 / 129: AVX2's dq path, where it runs, / the dense path (on Zen 1
+        # cores at 128; on the later Zen cores with PORTABLE_GEMM_AVX2_DQ=1, as isa-paths runs)
         for m in [mk[0] for mk in M_SWEEP] + [48, 49, 64, 128, 129, 200]:
             x = rand((m, k), dtype, device)
             out = pg.mixed_linear(x, q, s, bits=bits, group_size=group)
@@ -188,7 +189,8 @@ def _int4_group(k: int) -> int | None:
     for mnk in [(1, 1, 2), (7, 13, 64), (33, 65, 96), (5, 3, 4096), (40, 17, 130), (24, 11, 129),
                 (17, 35, 1030), (9, 21, 160),
                 # x as fp32 just within / just over the 4 MiB of AVX2's small_rows_dq_avx2
-                # (M = 48 on most cores, 64 on Zen 1 cores)
+                # (M = 48 where it runs, on the later Zen cores with PORTABLE_GEMM_AVX2_DQ=1; 64
+                # on Zen 1 cores)
                 (48, 9, 21844), (48, 9, 21848), (64, 9, 16376), (64, 9, 16400)]
     if bits == 8 or mnk[2] % 2 == 0  # int4 needs an even K (test_bad_input checks the error)
 ] + [  # groups of an odd number of 32-k steps, one across a 256-k block (the AMX path's steps)

@@ -303,3 +303,8 @@ def test_quantized_linear_dequantize_and_to_linear(device, dtype, bits, group):
     assert_close(back(x), x.double() @ want.T + layer.bias.double(), dtype)
     assert pg.nn.QuantizedLinear(256, 96, bias=False).to_linear().bias is None
     assert layer.to_linear(torch.float16).weight.dtype == torch.float16
+    for bad in (torch.int8, torch.uint8, torch.complex64, "float32"):
+        with pytest.raises(ValueError, match=r"QuantizedLinear\.dequantize: dtype must be None"):
+            layer.dequantize(bad)
+        with pytest.raises(ValueError, match=r"QuantizedLinear\.to_linear: dtype must be None"):
+            layer.to_linear(bad)

@@ -472,8 +472,10 @@ def test_installed_manifest_records_its_source():
     ({"PORTABLE_GEMM_POOL": "x"}, "2.9", ["PORTABLE_GEMM_POOL='x' is neither 'own' nor 'openmp'"]),
     ({"PORTABLE_GEMM_POOL": "x"}, None, []),  # the door has no torch ops to put on a pool
     ({"PORTABLE_GEMM_HUGE_PAGES": "no"}, "2.10", ["PORTABLE_GEMM_HUGE_PAGES='no' is neither '0' (off) nor '1'"]),
-    ({"PORTABLE_GEMM_AVX2_DQ": "0"}, "2.13", []),
-    ({"PORTABLE_GEMM_AVX2_DQ": "1", "PORTABLE_GEMM_ISA": ""}, None, []),
+    ({"PORTABLE_GEMM_AVX2_DQ": ""}, "2.13", []),
+    ({"PORTABLE_GEMM_AVX2_DQ": "0"}, "2.13", ["PORTABLE_GEMM_AVX2_DQ='0' applies to the AVX2 kernels only; the CPU "
+                                             "kernels run on avx512"]),
+    ({"PORTABLE_GEMM_AVX2_DQ": "1", "PORTABLE_GEMM_ISA": ""}, None, ["PORTABLE_GEMM_AVX2_DQ='1' applies to the AVX2"]),
     ({"PORTABLE_GEMM_AVX2_DQ": "on"}, "2.9", ["PORTABLE_GEMM_AVX2_DQ='on' is neither '0' (never) nor '1'"]),
     ({"PORTABLE_GEMM_AVX2_DQ": "yes"}, None, ["PORTABLE_GEMM_AVX2_DQ='yes' is neither"]),
     ({"PORTABLE_GEMM_ISA": "x", "PORTABLE_GEMM_POOL": "own", "PORTABLE_GEMM_NUM_THREADS": "0"}, "2.10",
@@ -485,6 +487,17 @@ def test_env_problems(env, target, expect):
     threading = None if target is None else _env.TORCH_POOL if target != "2.9" else "torch_openmp"
     got = _env.problems(env, cpu_isa="avx512", target=target, threading=threading, threading_why="w")
     assert len(got) == len(expect) and all(e in g for e, g in zip(expect, got)), got
+
+
+# PORTABLE_GEMM_AVX2_DQ where the AVX2 kernels run (an AVX2-only CPU, or PORTABLE_GEMM_ISA=avx2):
+# '0' and '1' do something there; other values are still refused.
+@pytest.mark.parametrize("value, expect", [("0", None), ("1", None), ("", None), ("on", "is neither '0' (never)")])
+def test_env_problems_avx2_dq_on_avx2(value, expect):
+    from portable_gemm import _env
+
+    got = _env.problems({"PORTABLE_GEMM_AVX2_DQ": value}, cpu_isa="avx2", target="2.13",
+                        threading=_env.TORCH_POOL, threading_why="w")
+    assert (got == []) if expect is None else (len(got) == 1 and expect in got[0]), got
 
 
 @pytest.mark.parametrize("value, threads", [("4", 4), (" +4", 4), ("1", 1), ("0", None), ("-1", None),

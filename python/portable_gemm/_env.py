@@ -51,6 +51,9 @@ def problems(environ: Mapping[str, str], *, cpu_isa: str, target: str | None = N
     if dq not in (None, "", "0", "1"):
         out.append(f"PORTABLE_GEMM_AVX2_DQ={dq!r} is neither '0' (never) nor '1' (on every AVX2 core); the CPU's "
                    "core decides where AVX2's dequantise-once path runs")
+    elif dq and cpu_isa != "avx2":
+        out.append(f"PORTABLE_GEMM_AVX2_DQ={dq!r} applies to the AVX2 kernels only; the CPU kernels run on "
+                   f"{cpu_isa} (PORTABLE_GEMM_ISA=avx2 selects them)")
     fill = environ.get("PORTABLE_GEMM_FILL_OUTPUTS")
     if fill not in (None, "", "0", "1"):
         out.append(f"PORTABLE_GEMM_FILL_OUTPUTS={fill!r} is neither '0' nor '1'; outputs are not filled")

@@ -12,6 +12,12 @@ from .ops import _group_code, dequantize_weight, mixed_linear, quantize_weight
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _check_float_dtype(dtype, method: str) -> None:
+    if dtype is not None and dtype not in (*_DTYPES, torch.float64):
+        raise ValueError(f"QuantizedLinear.{method}: dtype must be None (the scales'), torch.float32, "
+                         f"torch.float16, torch.bfloat16 or torch.float64, got {dtype!r}")
+
+
 class QuantizedLinear(torch.nn.Module):
     """nn.Linear with an int8 / int4 weight (symmetric, per channel or per group) and
     activations in fp16 / bf16 / fp32. The quantised weight and scales are buffers, so the
@@ -78,14 +84,19 @@ class QuantizedLinear(torch.nn.Module):
         """The float weight [out_features, in_features] the layer multiplies by
         (`dequantize_weight` of its qweight and scales), in `dtype`, the scales' unless given.
         A new tensor on the layer's device each call, outside autograd: for inspecting the
-        weight, merging an adapter into it, or exporting it. The layer has no `.weight`."""
+        weight, merging an adapter into it, or exporting it. The layer has no `.weight`.
+        `dtype`: float32, float16, bfloat16 or float64 (float64 is exact; fp16 / bf16 from
+        float32 scales are rounded twice, through float32)."""
+        _check_float_dtype(dtype, "dequantize")
         with torch.no_grad():
             return dequantize_weight(self.qweight, self.scales, bits=self.bits, group_size=self.group_size,
                                      dtype=dtype)
 
     def to_linear(self, dtype: torch.dtype | None = None) -> torch.nn.Linear:
         """An `nn.Linear` with the dequantised weight and the bias, on the layer's device, in
-        `dtype` (the scales' unless given): the way back for code that needs a float layer."""
+        `dtype` (the scales' unless given; as `dequantize`'s): the way back for code that needs
+        a float layer."""
+        _check_float_dtype(dtype, "to_linear")
         dtype = dtype or self.scales.dtype
         # skip_init: no random initialisation (it would advance the user's generator) of a
         # weight that is overwritten next

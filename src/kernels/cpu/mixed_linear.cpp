@@ -1,7 +1,7 @@
 // Weight-only quantised linear: y = act(x @ dequant(w)^T + bias).
 //
 // Two regimes:
-//  * small M (decode; M <= 16, 32, 64 or 128, see small_m_max_rows): threads take blocks of
+//  * small M (decode; M <= 16, 32, 48, 64 or 128, see small_m_max_rows): threads take blocks of
 //    output channels.
 //    x is converted once to a contiguous fp32 buffer. For bf16 x on AVX512-BF16 CPUs
 //    (groups of whole 64-byte weight blocks) also to a bf16 copy in the lane order of one
@@ -22,8 +22,8 @@
 //    multiple of the blocks' k step take a plain loop (small_rows_rowwise: a weight row
 //    dequantised into L1, then a dot per row of x). On AVX2-only CPUs from 9 rows of x up
 //    to 48 (on Zen 1 cores from 13, int4 per channel 16, up to 128; on the later Zen cores
-//    not at all), any group size: small_rows_dq_avx2, each pair of weight rows dequantised
-//    once, then a 6 x 2 register tile over every row of x.
+//    only with PORTABLE_GEMM_AVX2_DQ=1), any group size: small_rows_dq_avx2, each pair of
+//    weight rows dequantised once, then a 6 x 2 register tile over every row of x.
 //  * large M: compute-bound like a dense GEMM. Blocks of the weight are dequantised
 //    straight into the packed-B layout of the dense driver (gemm.cpp), which then runs
 //    the same micro-kernels, blocking and fused epilogue as gemm: for bf16 x on CPUs with
@@ -1370,8 +1370,9 @@ DqRequest dq_request() {
 //    at 12; int8 per channel 0.90x at 9, 0.89x at 10; int4 g128 0.82x at 12, 0.84x at 10
 //    (8192^2); int4 per channel 0.81x at 10 and 12, 0.80x at 15. From 9 rows.
 //  * a Zen 3 VM (AVX2 only): 1.11-1.54x small_rows_fma's time at M = 9, 12 and 16 (int8
-//    per channel and g128, int4 per channel and g128; 4096^2 and 11008 x 4096), 1.04-1.20x
-//    at 24 and 32, 0.88-1.06x the dense path's at 48 (8 alternating rounds each, medians).
+//    per channel and int4 g128 at 4096^2, int8 g128 and int4 per channel at 11008 x 4096),
+//    1.04-1.20x at 24 and 32, 0.88-1.06x the dense path's at 48 (8 alternating rounds
+//    each, medians).
 //    Not run there (nor, unmeasured, on the other full-width Zen cores) unless asked.
 int64_t dq_min_rows(const QuantizedWeight& w) {
   if (!avx2_half_width()) return 9;
