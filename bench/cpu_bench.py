@@ -299,7 +299,8 @@ def markdown(meta: dict, dense: list[dict], wo: list[dict], targets: dict | None
     lines = [f"# CPU benchmark — {meta['date']}", "",
              f"commit `{meta['commit']}`, torch {meta['torch']}, target {meta['target']}, "
              f"{meta['threads']} threads, ISA {meta['isa']}, CPU flags: {meta['cpu_flags']}"
-             + (f", CPU: {meta['cpu']}" if "cpu" in meta else ""), "",
+             + (f", CPU: {meta['cpu']}" if "cpu" in meta else "")
+             + (f"; AVX2 dequantise-once path: {meta['avx2_dq']}" if meta.get("avx2_dq") else ""), "",
              f"Measured read bandwidth (sum over 1 GiB, same threads): **{meta['read_GBps']:.1f} GB/s** at the "
              f"start{probe_note(wo)}. Rows with M <= 16 alternate with a read-bandwidth probe for 3 rounds; their "
              "share of the read bandwidth is the median of the per-round shares."
@@ -634,7 +635,8 @@ def main() -> int:
     bw = read_bandwidth()
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "torch": torch.__version__, "target": info["target"], "threads": args.threads,
-            "isa": info["features"].get("cpu_isa"), "cpu_flags": cpu_flags(), "cpu": cpu_model(), "read_GBps": bw,
+            "isa": info["features"].get("cpu_isa"), "avx2_dq": info["features"].get("cpu_avx2_dq"),
+            "cpu_flags": cpu_flags(), "cpu": cpu_model(), "read_GBps": bw,
             "rotation_bytes": LLC_BYTES, "notes_section": NOTES_SECTION}
     print(f"cpu_bench: {json.dumps(meta)}")
     dense = [] if args.skip_dense else bench_dense(args.quick)

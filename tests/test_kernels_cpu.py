@@ -2,10 +2,12 @@
 no torch in the process) against the installed wheel's headers and library, once per
 instruction-set path the dispatcher can take on this CPU."""
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,6 +189,60 @@ def test_cpu_isa_names_the_units_in_use():
         assert isa == "avx2", isa
     else:
         assert isa == "generic", isa
+
+
+def cpu_core() -> tuple[str, int, int]:
+    """(vendor, family, model) of the first CPU in /proc/cpuinfo, as Linux decodes them."""
+    fields = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields.get("vendor_id", ""), int(fields.get("cpu family", 0)), int(fields.get("model", 0))
+
+
+@pytest.mark.parametrize("isa,dq", [("native", None), ("avx2", None), ("avx2", "0"), ("avx2", "1"),
+                                    ("avx2", "yes"), ("generic", "1")])
+def test_info_names_the_avx2_dequantise_once_rows(isa, dq):
+    # info()["features"]["cpu_avx2_dq"] says from which rows of x the AVX2 weight-only
+    # kernels dequantise each weight row once (small_rows_dq_avx2), and why: the core kind
+    # (read here from /proc/cpuinfo, apart from the library's CPUID) and PORTABLE_GEMM_AVX2_DQ.
+    # Absent where the AVX2 kernels do not run.
+    if not Path("/proc/cpuinfo").exists() or not (cpu_has("avx2") and cpu_has("fma")):
+        pytest.skip("needs an x86 CPU with AVX2 and FMA, read from /proc/cpuinfo")
+    env = {k: v for k, v in os.environ.items() if k not in ("PORTABLE_GEMM_ISA", "PORTABLE_GEMM_AVX2_DQ")}
+    if isa != "native":
+        env["PORTABLE_GEMM_ISA"] = isa
+    if dq is not None:
+        env["PORTABLE_GEMM_AVX2_DQ"] = dq
+    code = ("import json, warnings, portable_gemm as pg\n"
+            "warnings.simplefilter('ignore')\n"
+            "print(json.dumps(pg.info()['features']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    features = json.loads(proc.stdout.splitlines()[-1])
+    got = features.get("cpu_avx2_dq")
+    if features["cpu_isa"] != "avx2":
+        assert got is None, features
+        assert isa == "generic" or any(cpu_has(f) for f in AVX512_FLAGS), features
+        return
+    assert isa != "generic", features
+    vendor, family, model = cpu_core()
+    half_width = (vendor == "AuthenticAMD" and family == 0x17 and model < 0x30) or \
+                 (vendor == "HygonGenuine" and family == 0x18)
+    later_zen = vendor == "AuthenticAMD" and family >= 0x17 and not half_width
+    if dq == "0":
+        assert got == "off (PORTABLE_GEMM_AVX2_DQ=0)"
+    elif half_width:
+        assert got.startswith("13 to 128 rows of x (int4 per channel from 16)"), got
+        assert ("PORTABLE_GEMM_AVX2_DQ=1" in got) == (dq == "1"), got
+    elif dq == "1":
+        assert got == "9 to 48 rows of x while x fits 4 MiB as fp32 (PORTABLE_GEMM_AVX2_DQ=1)"
+    elif later_zen:  # unset, or a value other than 0 / 1 (warned about): the core decides
+        assert got.startswith("off on this core (a later Zen"), got
+    else:
+        assert got == "9 to 48 rows of x while x fits 4 MiB as fp32"
 
 
 @pytest.mark.parametrize("probe,args,expect", [

@@ -153,6 +153,11 @@ PG_API Status quantize(const QuantizeArgs& args, const Executor& exec);
 // The instruction set the CPU kernels dispatched to at run time: "avx512+bf16+amx",
 // "avx512+bf16" (vdpbf16ps), "avx512", "avx2" or "generic".
 PG_API const char* isa();
+// On the AVX2 kernels: which rows of x weight-only runs through the dequantise-once path
+// (each pair of weight rows dequantised once, then an FMA tile over every row of x), and
+// why, in one line ("off ..." where it never runs). Empty under any other instruction set.
+// Fixed for the process: the core and PORTABLE_GEMM_AVX2_DQ are read once.
+PG_API const char* avx2_dq_path();
 // For a door that has just allocated an output the kernel will write in full (bytes from
 // data): on Linux, asks for transparent huge pages on its whole huge pages (2 MiB on
 // x86-64; the kernel's hpage_pmd_size) when the output spans at least kHugeOutputMinBytes.

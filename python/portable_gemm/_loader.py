@@ -271,6 +271,8 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     state.features = {**target_features, "threading": binding.info.get("threading"),
                       "threading_why": binding.info.get("threading_why"),
                       "cpu_isa": binding.info.get("cpu_isa")}
+    if binding.info.get("cpu_avx2_dq"):  # the AVX2 kernels' dequantise-once rows (empty elsewhere)
+        state.features["cpu_avx2_dq"] = binding.info["cpu_avx2_dq"]
     _env.warn_all(_env.problems(os.environ, cpu_isa=state.features["cpu_isa"], target=state.target,
                                 threading=state.features["threading"],
                                 threading_why=state.features["threading_why"]))

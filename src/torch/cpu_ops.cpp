@@ -61,6 +61,7 @@ PG_BINDING_EXPORT const char* portable_gemm_binding_info() {
            "\", \"device\": \"cpu\", \"threading\": \"" + compat::cpu_executor_name() +
            "\", \"threading_why\": \"" + compat::cpu_executor_why() +
            "\", \"cpu_isa\": \"" + portable_gemm::cpu::isa() +
+           "\", \"cpu_avx2_dq\": \"" + portable_gemm::cpu::avx2_dq_path() +
            "\", \"fill_outputs\": " + (portable_gemm::fill_new_outputs() ? "true" : "false") + "}";
   };
   static const std::string info = make();

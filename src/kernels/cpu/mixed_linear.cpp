@@ -1401,6 +1401,28 @@ bool dq_applies(const MixedLinearArgs& a) {
          m * a.w.k * int64_t(sizeof(float)) <= kDqMaxX;
 }
 
+}  // namespace
+
+const char* avx2_dq_path() {
+  if (active_isa() != Isa::avx2) return "";
+  const DqRequest req = dq_request();
+  if (req == DqRequest::off) return "off (PORTABLE_GEMM_AVX2_DQ=0)";
+  if (avx2_core() == Avx2Core::zen_half_width)
+    return req == DqRequest::on
+               ? "13 to 128 rows of x (int4 per channel from 16) while x fits 4 MiB as fp32 "
+                 "(PORTABLE_GEMM_AVX2_DQ=1; a Zen / Zen+ core: half-width AVX2)"
+               : "13 to 128 rows of x (int4 per channel from 16) while x fits 4 MiB as fp32 "
+                 "(a Zen / Zen+ core: half-width AVX2)";
+  if (req == DqRequest::on)
+    return "9 to 48 rows of x while x fits 4 MiB as fp32 (PORTABLE_GEMM_AVX2_DQ=1)";
+  if (avx2_core() == Avx2Core::zen)
+    return "off on this core (a later Zen: AMD family 17h from model 30h, 19h on; "
+           "PORTABLE_GEMM_AVX2_DQ=1 turns it on)";
+  return "9 to 48 rows of x while x fits 4 MiB as fp32";
+}
+
+namespace {
+
 // res[m * ldr + r] = sum over k < k8 (a multiple of 8) of w_r[k] * x[m][k], for r < 1 + two.
 // Per 8 k: 2 + MB loads for 2 MB FMAs; MB = 6 holds 12 sums, 2 weights and x (15 ymm).
 template <int MB>
