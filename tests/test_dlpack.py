@@ -1,6 +1,7 @@
 """The torch-free DLPack door: no torch import, same kernels as the torch ops (bit for bit on
 the CPU), every dtype from NumPy, clear TypeError / ValueError for bad input."""
 
+import json
 import re
 
 import numpy as np
@@ -31,6 +32,28 @@ def test_import_warns_about_ignored_settings():
     lines = [ln for ln in proc.stderr.splitlines() if "RuntimeWarning: portable_gemm:" in ln]
     assert len(lines) == 2 and all(ln.startswith("<string>:2: ") for ln in lines), proc.stderr[-2000:]
     assert "PORTABLE_GEMM_ISA='sse9'" in lines[0] and "PORTABLE_GEMM_NUM_THREADS='many'" in lines[1]
+
+
+@pytest.mark.parametrize("env", [{}, {"PORTABLE_GEMM_ISA": "avx2"},
+                                 {"PORTABLE_GEMM_ISA": "avx2", "PORTABLE_GEMM_AVX2_DQ": "1"},
+                                 {"PORTABLE_GEMM_ISA": "avx2", "PORTABLE_GEMM_AVX2_DQ": "0"},
+                                 {"PORTABLE_GEMM_ISA": "generic"}], ids=lambda e: ",".join(e.values()) or "unset")
+def test_cpu_units_and_avx2_dq_rows_agree_with_info(env):
+    # The door's cpu_isa() / cpu_avx2_dq() and the torch package's info() read the same
+    # kernel library: in one process they must say the same ("" where info() omits the rows).
+    proc = run_python("import json, warnings; warnings.simplefilter('ignore')\n"
+                      "import portable_gemm.dlpack as d, portable_gemm as pg\n"
+                      "f = pg.info()['features']\n"
+                      "print(json.dumps([d.cpu_isa(), d.cpu_avx2_dq(), f['cpu_isa'], f.get('cpu_avx2_dq', '')]))",
+                      env=env, unset=("PORTABLE_GEMM_ISA", "PORTABLE_GEMM_AVX2_DQ"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    isa, dq, info_isa, info_dq = json.loads(proc.stdout.splitlines()[-1])
+    assert (isa, dq) == (info_isa, info_dq)
+    assert (dq != "") == (isa == "avx2"), (isa, dq)
+    if isa == "avx2" and env.get("PORTABLE_GEMM_AVX2_DQ") == "0":
+        assert dq == "off (PORTABLE_GEMM_AVX2_DQ=0)"
+    elif isa == "avx2" and env.get("PORTABLE_GEMM_AVX2_DQ") == "1":
+        assert "PORTABLE_GEMM_AVX2_DQ=1" in dq and dq.split()[0] in ("9", "13"), dq
 
 
 def bf16_bits(t: torch.Tensor) -> np.ndarray:

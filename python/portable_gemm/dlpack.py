@@ -24,6 +24,8 @@ Functions (same semantics as the torch ops; a, b, x, weight are 2-D):
 
     build_info() -> str      the kernel library's build in one line (version, compiler, CUDA archs)
     cpu_isa() -> str         the CPU units in use ("avx512+bf16", ...; PORTABLE_GEMM_ISA lowers them)
+    cpu_avx2_dq() -> str     on the AVX2 kernels, the rows of x where weight-only dequantises each
+                             weight row once, and why ("" under other units; info()'s cpu_avx2_dq)
     has_cuda() -> bool       whether this build has the CUDA kernels (not whether a GPU is present)
 
 Memory: the CPU kernels keep per-thread scratch buffers (packed panels, partial sums) for
@@ -71,15 +73,15 @@ def _no_door_for_this_python(error: ImportError) -> ImportError:
 
 
 try:
-    from ._dlpack import (_set_error_prefix, build_info, cpu_isa, cpu_scratch_bytes, gemm, has_cuda, mixed_linear,
-                          quantize_weight, release_cpu_scratch)
+    from ._dlpack import (_set_error_prefix, build_info, cpu_avx2_dq, cpu_isa, cpu_scratch_bytes, gemm, has_cuda,
+                          mixed_linear, quantize_weight, release_cpu_scratch)
 except ModuleNotFoundError as e:
     if e.name != f"{__package__}._dlpack":
         raise
     raise _no_door_for_this_python(e) from None
 
-__all__ = ["gemm", "quantize_weight", "mixed_linear", "build_info", "cpu_isa", "has_cuda", "cpu_scratch_bytes",
-           "release_cpu_scratch"]
+__all__ = ["gemm", "quantize_weight", "mixed_linear", "build_info", "cpu_isa", "cpu_avx2_dq", "has_cuda",
+           "cpu_scratch_bytes", "release_cpu_scratch"]
 
 _set_error_prefix(__name__ + ".")  # a vendored copy's errors name the copy
 _env.warn_all(_env.problems(os.environ, cpu_isa=cpu_isa()))

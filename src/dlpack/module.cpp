@@ -494,6 +494,9 @@ NB_MODULE(_dlpack, m) {
         "The kernel library's build in one line: version, compiler, CUDA toolkit and archs.");
   m.def("cpu_isa", [] { return std::string(pg::cpu::isa()); },
         "The CPU units the kernels use (avx512+bf16, ...; PORTABLE_GEMM_ISA lowers them).");
+  m.def("cpu_avx2_dq", [] { return std::string(pg::cpu::avx2_dq_path()); },
+        "On the AVX2 kernels, which rows of x weight-only dequantises once per weight row, and "
+        "why (PORTABLE_GEMM_AVX2_DQ, the core); empty under other units.");
   m.def("cpu_scratch_bytes", [] { return portable_gemm_cpu_scratch_bytes(); },
         "Bytes the CPU kernels' per-thread scratch buffers hold now.");
   m.def("release_cpu_scratch", [] { return portable_gemm_release_cpu_scratch(); },
