@@ -7,11 +7,10 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_python
 
 import portable_gemm
 
@@ -211,15 +210,15 @@ def test_info_names_the_avx2_dequantise_once_rows(isa, dq):
     # Absent where the AVX2 kernels do not run.
     if not Path("/proc/cpuinfo").exists() or not (cpu_has("avx2") and cpu_has("fma")):
         pytest.skip("needs an x86 CPU with AVX2 and FMA, read from /proc/cpuinfo")
-    env = {k: v for k, v in os.environ.items() if k not in ("PORTABLE_GEMM_ISA", "PORTABLE_GEMM_AVX2_DQ")}
+    env = {}
     if isa != "native":
         env["PORTABLE_GEMM_ISA"] = isa
     if dq is not None:
         env["PORTABLE_GEMM_AVX2_DQ"] = dq
-    code = ("import json, warnings, portable_gemm as pg\n"
-            "warnings.simplefilter('ignore')\n"
-            "print(json.dumps(pg.info()['features']))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = run_python("import json, warnings, portable_gemm as pg\n"
+                      "warnings.simplefilter('ignore')\n"
+                      "print(json.dumps(pg.info()['features']))",
+                      env=env, unset=("PORTABLE_GEMM_ISA", "PORTABLE_GEMM_AVX2_DQ"), timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     features = json.loads(proc.stdout.splitlines()[-1])
     got = features.get("cpu_avx2_dq")

@@ -654,6 +654,10 @@ void test_scratch_release() {
 int main() {
   std::printf("isa: %s, threads: %d, %s\n", cpu::isa(), builtin_executor().num_threads(nullptr),
               build_info());
+  // The AVX2 dequantise-once rows (info()'s cpu_avx2_dq): a line on the AVX2 kernels, empty
+  // elsewhere (its text against the core: test_kernels_cpu.py).
+  CHECK((std::strcmp(cpu::isa(), "avx2") == 0) == (cpu::avx2_dq_path()[0] != '\0'),
+        "avx2_dq_path() is set exactly on the AVX2 kernels");
   const Activation acts[] = {Activation::none, Activation::relu, Activation::silu,
                              Activation::gelu};
   for (DType t : {DType::f32, DType::bf16}) {

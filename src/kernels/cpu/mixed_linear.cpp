@@ -1473,6 +1473,12 @@ PG_TARGET_AVX2 void small_rows_dq_avx2(const SmallJob& job, int64_t n0, int64_t 
     }
   }
 }
+#else
+}  // namespace
+
+const char* avx2_dq_path() { return ""; }  // no AVX2 kernels in this build
+
+namespace {
 #endif
 
 void small_task_impl(const SmallJob& job, int64_t n0, int64_t n1) {
