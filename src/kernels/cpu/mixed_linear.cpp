@@ -1407,18 +1407,20 @@ const char* avx2_dq_path() {
   if (active_isa() != Isa::avx2) return "";
   const DqRequest req = dq_request();
   if (req == DqRequest::off) return "off (PORTABLE_GEMM_AVX2_DQ=0)";
+  // dq_min_rows / dq_max_rows / kDqMaxX in words ("int4 per channel": group_size 0)
+#define PG_DQ_ZEN1_ROWS "13 to 128 rows of x (int4 per channel from 16) while x fits 4 MiB as fp32 ("
+#define PG_DQ_ROWS "9 to 48 rows of x while x fits 4 MiB as fp32"
   if (avx2_core() == Avx2Core::zen_half_width)
     return req == DqRequest::on
-               ? "13 to 128 rows of x (int4 per channel from 16) while x fits 4 MiB as fp32 "
-                 "(PORTABLE_GEMM_AVX2_DQ=1; a Zen / Zen+ core: half-width AVX2)"
-               : "13 to 128 rows of x (int4 per channel from 16) while x fits 4 MiB as fp32 "
-                 "(a Zen / Zen+ core: half-width AVX2)";
-  if (req == DqRequest::on)
-    return "9 to 48 rows of x while x fits 4 MiB as fp32 (PORTABLE_GEMM_AVX2_DQ=1)";
+               ? PG_DQ_ZEN1_ROWS "PORTABLE_GEMM_AVX2_DQ=1; a Zen / Zen+ core: half-width AVX2)"
+               : PG_DQ_ZEN1_ROWS "a Zen / Zen+ core: half-width AVX2)";
+  if (req == DqRequest::on) return PG_DQ_ROWS " (PORTABLE_GEMM_AVX2_DQ=1)";
   if (avx2_core() == Avx2Core::zen)
     return "off on this core (a later Zen: AMD family 17h from model 30h, 19h on; "
            "PORTABLE_GEMM_AVX2_DQ=1 turns it on)";
-  return "9 to 48 rows of x while x fits 4 MiB as fp32";
+  return PG_DQ_ROWS;
+#undef PG_DQ_ZEN1_ROWS
+#undef PG_DQ_ROWS
 }
 
 namespace {
