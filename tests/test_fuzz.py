@@ -334,16 +334,11 @@ K_SIZES = st.one_of(st.sampled_from([0, 1, 2, 6, 32, 64, 96, 128, 192, 256]), st
 GROUPS_VALID = [None, 32, 64, 128]
 
 
-@st.composite
-def quant_cases(draw, door_name):
-    dl = door_name == "dlpack"
-    kinds = {"dtype", "rank", "bits", "group_nondiv", "group_bad", "odd_k"} | ({"flip", "bf16_flag"} if dl else set())
-    F = draw(fault_set(kinds))
-    c = {"door": door_name, "seed": draw(st.integers(0, 2**31 - 1)), "F": sorted(F)}
-    c["dtype"] = draw(st.sampled_from([torch.float64, torch.int32])) if "dtype" in F else draw(st.sampled_from(VALID))
-    c["N"] = draw(st.one_of(st.sampled_from([0, 1, 2]), st.integers(0, 40)))
-    c["rank"] = draw(st.sampled_from([1, 3])) if "rank" in F else 2
-    c["bits"] = draw(st.sampled_from([0, 2, 3, 16])) if "bits" in F else draw(st.sampled_from([4, 8]))
+def draw_group_and_k(draw, c, F, door_name):
+    """c["group"] and c["K"] for c["bits"], shared by the quantise and mixed_linear cases:
+    the faults group_bad (a negative group, or 0 where only the ops take it as per
+    channel), group_nondiv (K not a multiple of the group) and odd_k (an odd K, which int4's
+    packing refuses; valid int4 cases get an even K)."""
     if "group_bad" in F:
         c["group"] = draw(st.sampled_from([-1, -32] + ([0] if door_name != "ops" else [])))
     else:
@@ -362,6 +357,19 @@ def quant_cases(draw, door_name):
         c["K"] += 1
     if door_name == "ops" and c["group"] is None:
         c["group"] = 0
+
+
+@st.composite
+def quant_cases(draw, door_name):
+    dl = door_name == "dlpack"
+    kinds = {"dtype", "rank", "bits", "group_nondiv", "group_bad", "odd_k"} | ({"flip", "bf16_flag"} if dl else set())
+    F = draw(fault_set(kinds))
+    c = {"door": door_name, "seed": draw(st.integers(0, 2**31 - 1)), "F": sorted(F)}
+    c["dtype"] = draw(st.sampled_from([torch.float64, torch.int32])) if "dtype" in F else draw(st.sampled_from(VALID))
+    c["N"] = draw(st.one_of(st.sampled_from([0, 1, 2]), st.integers(0, 40)))
+    c["rank"] = draw(st.sampled_from([1, 3])) if "rank" in F else 2
+    c["bits"] = draw(st.sampled_from([0, 2, 3, 16])) if "bits" in F else draw(st.sampled_from([4, 8]))
+    draw_group_and_k(draw, c, F, door_name)
     c["layout"] = "flip" if "flip" in F else draw(st.sampled_from(LAYOUTS))
     c["scale"] = draw(st.sampled_from([1.0, 1e-3, 50.0]))
     c["bf16_bits"] = not ("bf16_flag" in F and c["dtype"] == BF16)
@@ -488,24 +496,7 @@ def mixed_cases(draw, door_name):
         c["x_rank"] = draw(st.sampled_from([2, 2, 1, 3]))
     c["B"] = draw(st.sampled_from([0, 1, 2]))
     c["bits"] = draw(st.sampled_from([0, 3, 16])) if "bits" in F else draw(st.sampled_from([4, 8]))
-    if "group_bad" in F:
-        c["group"] = draw(st.sampled_from([-1, -32] + ([0] if door_name != "ops" else [])))
-    else:
-        c["group"] = draw(st.sampled_from(GROUPS_VALID))
-    g = c["group"] if c["group"] and c["group"] > 0 else None
-    if "group_nondiv" in F and g:
-        c["K"] = g * draw(st.integers(0, 3)) + draw(st.sampled_from([2, 16, g // 2 + 2]))
-    elif g:
-        c["K"] = g * draw(st.sampled_from([0, 1, 1, 2, 3]))
-    else:
-        c["K"] = draw(K_SIZES)
-    if "odd_k" in F:
-        c["bits"] = 4 if c["bits"] in (4, 8) else c["bits"]
-        c["K"] |= 1
-    elif c["bits"] == 4 and c["K"] % 2:
-        c["K"] += 1
-    if door_name == "ops" and c["group"] is None:
-        c["group"] = 0
+    draw_group_and_k(draw, c, F, door_name)
     c["x_layout"] = "flip" if "flip" in F else draw(st.sampled_from(LAYOUTS))
     # (stride-0 rows of qweight / scales are a known binding gap, see
     # test_broadcast_qweight_and_scales_rows: not drawn.) The DLPack door wants rows with
