@@ -9,11 +9,11 @@
 #   env: PG_PYTEST_EXTRA (extra pytest args, split on spaces), PG_PYTEST_K (a -k expression,
 #        kept whole: "a or b"), PG_TARGETS (the test runs, default "default 2.10 2.9": one
 #        device call may not hold all three), PG_TEST_FILES (the default target's test files,
-#        default "." = all; the whole suite no longer fits one call on a cold H100 (run 131):
-#        "half1" / "half2" split it over two calls, half2 being the files that build packages
-#        or extensions, half1 every other test_*.py), PG_PYTEST_TIMEOUT (default 540 s, 300 under forced
-#        targets), PG_BENCH_ARGS (e.g. --quick), PG_GPU_PYTHON, PG_TREE_COMMIT (the working
-#        tree's commit, for the check below where the device's copy has no .git)
+#        default "." = all; the whole suite no longer fits one call: "part1" ... "part4"
+#        split it over four, part1 being every test_*.py the others do not name),
+#        PG_PYTEST_TIMEOUT (default 540 s, 300 under forced targets), PG_BENCH_ARGS (e.g.
+#        --quick), PG_GPU_PYTHON, PG_TREE_COMMIT (the working tree's commit, for the check
+#        below where the device's copy has no .git)
 set -uo pipefail
 # shellcheck source=ci/gpu_common.sh
 . "$(dirname "$0")/gpu_common.sh"
@@ -62,12 +62,15 @@ if want tests; then
     [ "$target" != default ] && env=("PORTABLE_GEMM_TARGET=$target")
     log="$OUT/pytest_${target}.log"
     # full suite under the machine's own target; the GPU-relevant files under forced targets
-    half2=(test_cpp_consumer.py test_sdist.py test_repo.py test_ci_config.py test_select_variant.py
-           test_symbol_audit.py test_targets.py test_torch_integration.py test_vendor.py)
+    # The four parts' times under target 2.11 on an H200 host (runs 133-136): part1 237 s,
+    # test_targets.py alone ~270 s, part3 230 s (the two AOTInductor packages 148 s).
+    parts=([2]="test_targets.py test_select_variant.py test_symbol_audit.py test_ci_config.py test_repo.py"
+           [3]="test_torch_integration.py test_vendor.py"
+           [4]="test_cpp_consumer.py test_sdist.py")
     case ${PG_TEST_FILES:-.} in
-      half1) files=(); for f in tests/test_*.py; do
-               f=${f#tests/}; [[ " ${half2[*]} " == *" $f "* ]] || files+=("$f"); done ;;
-      half2) files=("${half2[@]}") ;;
+      part1) files=(); for f in tests/test_*.py; do
+               f=${f#tests/}; [[ " ${parts[*]} " == *" $f "* ]] || files+=("$f"); done ;;
+      part[234]) read -ra files <<< "${parts[${PG_TEST_FILES#part}]}" ;;
       *) # shellcheck disable=SC2206  # a list of files, word-split on purpose
          files=(${PG_TEST_FILES:-.}) ;;
     esac

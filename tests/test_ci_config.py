@@ -234,19 +234,20 @@ def test_workflow_runs_the_cibuildwheel_checked_here(workflow):
     assert pins == {f"v{version('cibuildwheel')}"}, (pins, version("cibuildwheel"))
 
 
-def test_gpu_session_halves_cover_the_suite():
-    """ci/gpu_session.sh's PG_TEST_FILES=half1 / half2 split the default target's suite over
-    two device calls: half2 names its files, half1 takes every other test_*.py. A renamed or
-    removed half2 file would drop out of both halves unseen; run the script's own split."""
+def test_gpu_session_parts_cover_the_suite():
+    """ci/gpu_session.sh's PG_TEST_FILES=part1 ... part4 split the default target's suite over
+    four device calls: parts 2-4 name their files, part1 takes every other test_*.py. A renamed
+    or removed file named in a part would drop out of every part unseen; run the script's own
+    split."""
     script = (REPO / "ci" / "gpu_session.sh").read_text()
-    split = re.search(r"^    half2=\(.*?^    esac\n", script, re.S | re.M)
-    assert split, "gpu_session.sh's half1 / half2 split not found"
-    halves = {}
-    for half in ("half1", "half2"):
+    split = re.search(r"^    parts=\(.*?^    esac\n", script, re.S | re.M)
+    assert split, "gpu_session.sh's part1 ... part4 split not found"
+    parts = []
+    for n in range(1, 5):
         run = subprocess.run(
-            ["bash", "-c", f'PG_TEST_FILES={half}\n{split.group(0)}printf "%s\\n" "${{files[@]}}"'],
+            ["bash", "-c", f'PG_TEST_FILES=part{n}\n{split.group(0)}printf "%s\\n" "${{files[@]}}"'],
             cwd=REPO, capture_output=True, text=True, check=True)
-        halves[half] = run.stdout.split()
+        parts.append(run.stdout.split())
     suite = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
-    assert halves["half2"] and set(halves["half2"]) <= set(suite), halves["half2"]
-    assert sorted(halves["half1"] + halves["half2"]) == suite
+    assert all(parts) and all(set(p) <= set(suite) for p in parts), parts
+    assert sorted(f for p in parts for f in p) == suite
