@@ -65,7 +65,7 @@ def met(cells: list[str]) -> bool:
 # small_rows_dq_avx2 from 13 rows).
 ZEN5_RUNS = ["cpu_bench_zen5", "cpu_bench_zen5_ee8f0a3", "cpu_bench_zen5_3f7c079", "cpu_bench_zen5_b02b399",
              "cpu_bench_zen5_3d0b749"]
-AVX2_FULL_RUNS = ["cpu_bench_avx2", "cpu_bench_avx2_5993f42a", "cpu_bench_avx2_c0fe5f5", "cpu_bench_avx2_a8ef235",
+AVX2_FULL_RUNS = ["cpu_bench_avx2_4e7ea01", "cpu_bench_avx2", "cpu_bench_avx2_5993f42a", "cpu_bench_avx2_c0fe5f5", "cpu_bench_avx2_a8ef235",
                   "cpu_bench_avx2_c4397dc", "cpu_bench_avx2_0ff38c2", "cpu_bench_avx2_c5ab17b", "cpu_bench_avx2_201cf04"]
 XEON_VM_RUNS = ["cpu_bench_xeon_vm", "cpu_bench_xeon_vm_5495b39a", "cpu_bench_xeon_vm_5495b39b", "cpu_bench_xeon_vm_8932cc2", "cpu_bench_xeon_vm_491ce2c", "cpu_bench_xeon_vm_0cfdf5a", "cpu_bench_xeon_vm_3143c51", "cpu_bench_xeon_vm_6aad8ad", "cpu_bench_xeon_vm_938cc08", "cpu_bench_xeon_vm_76eaba2", "cpu_bench_xeon_vm_f019a74", "cpu_bench_xeon_vm_f3046a1", "cpu_bench_xeon_vm_fdfc653",
                 "cpu_bench_xeon_vm_1fa692e", "cpu_bench_xeon_vm_5cc88a5", "cpu_bench_xeon_vm_dbdff80", "cpu_bench_xeon_vm_0b81b14", "cpu_bench_xeon_vm_b28457b", "cpu_bench_xeon_vm_938b133", "cpu_bench_xeon_vm_a4d1860", "cpu_bench_xeon_vm_76e2888", "cpu_bench_xeon_vm_9ef69af", "cpu_bench_xeon_vm_b94b994", "cpu_bench_xeon_vm_136e673",
