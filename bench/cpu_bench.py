@@ -570,7 +570,7 @@ print("PROBE" + json.dumps(res))
 """
 
 
-# 21, not 7: on a noisy 2-core VM single rounds of one case read 0.63-1.85x, and the three
+# 21, not 7: on a noisy 2-core VM single rounds read 0.63-1.85x across the cases, and the three
 # 7-round windows of one 21-round run had their worst medians at 1.25x, 1.14x and 1.07x
 # where the 21 rounds read 0.98-1.08x (bench/CPU_NOTES.md 75). ~10 s a round there.
 TARGET_ROUNDS = 21

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,53 @@ def test_gpu_session_parts_cover_the_suite():
     suite = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
     assert all(parts) and all(set(p) <= set(suite) for p in parts), parts
     assert sorted(f for p in parts for f in p) == suite
+
+
+def test_gpu_session_source_check(tmp_path):
+    """ci/gpu_session.sh compares the wheel's source commit (its manifest) with the tree's
+    before the tests, which are the tree's: run its own lines on wheels made here."""
+    script = (REPO / "ci" / "gpu_session.sh").read_text()
+    check = re.search(r'^wheel_src=\$\(.*?and tree at \$wheel_src"\nfi\n', script, re.S | re.M)
+    assert check, "gpu_session.sh's source check not found"
+
+    def wheel(name, manifest):
+        path = tmp_path / f"{name}.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("portable_gemm/__init__.py", "")
+            if manifest is not None:
+                z.writestr("portable_gemm/lib/manifest.json", json.dumps(manifest))
+        return path
+
+    def run(whl, tree=None, cwd=tmp_path):
+        env = {k: v for k, v in os.environ.items() if k != "PG_TREE_COMMIT"}
+        if tree is not None:
+            env["PG_TREE_COMMIT"] = tree
+        r = subprocess.run(["bash", "-c", 'note() { echo "$*"; }\n' + check.group(0), "check"],
+                           env={**env, "PY": sys.executable, "WHEEL": str(whl)}, cwd=cwd,
+                           capture_output=True, text=True, check=True)
+        return r.stdout.strip()
+
+    clean = wheel("clean", {"source": {"commit": "abcdef1", "dirty": False}})
+    assert run(clean, "abcdef1") == "source: wheel and tree at abcdef1"
+    assert run(clean, "abcdef1234") == "source: wheel and tree at abcdef1"
+    for tree in ("1234567", "abc"):  # another commit; a prefix too short to tell
+        assert run(clean, tree).startswith("WARNING source: wheel abcdef1, tests from tree " + tree)
+    dirty = wheel("dirty", {"source": {"commit": "abcdef1", "dirty": True}})
+    assert run(dirty, "abcdef1").startswith("WARNING source: wheel abcdef1-dirty")
+    # no manifest, a build outside git (source null), no tree commit outside a checkout
+    for whl in (wheel("bare", None), wheel("nogit", {"source": None})):
+        assert run(whl, "abcdef1") == "source: wheel unknown, tree abcdef1 (set PG_TREE_COMMIT to compare)"
+    assert run(clean).startswith("source: wheel abcdef1, tree unknown")
+    # in a checkout: its HEAD, and -dirty while a tracked file is changed
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    (repo / "f").write_text("1")
+    for args in (["init", "-q"], ["add", "f"], ["commit", "-qm", "f"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    at_head = wheel("head", {"source": {"commit": head, "dirty": False}})
+    assert run(at_head, cwd=repo) == f"source: wheel and tree at {head}"
+    (repo / "f").write_text("2")
+    assert run(at_head, cwd=repo).startswith(f"WARNING source: wheel {head}, tests from tree {head}-dirty")
