@@ -68,24 +68,26 @@ if want demo; then
 fi
 
 if want tests; then
+  # The default target's test files: the full suite, or a part of it (PG_TEST_FILES);
+  # forced targets run the GPU-relevant files (below).
+  # Measured under target 2.11 on an H200 host (runs 133-136, before this split): part1
+  # 237 s, part3 230 s (the two AOTInductor packages 148 s), test_targets.py under 270 s;
+  # part2 and part4 not measured as such.
+  parts=([2]="test_targets.py test_select_variant.py test_symbol_audit.py test_ci_config.py test_repo.py"
+         [3]="test_torch_integration.py test_vendor.py"
+         [4]="test_cpp_consumer.py test_sdist.py")
+  case ${PG_TEST_FILES:-.} in
+    part1) default_files=(); for f in tests/test_*.py; do
+             f=${f#tests/}; [[ " ${parts[*]} " == *" $f "* ]] || default_files+=("$f"); done ;;
+    part[234]) read -ra default_files <<< "${parts[${PG_TEST_FILES#part}]}" ;;
+    *) # shellcheck disable=SC2206  # a list of files, word-split on purpose
+       default_files=(${PG_TEST_FILES:-.}) ;;
+  esac
   for target in ${PG_TARGETS:-default 2.10 2.9}; do
     env=()
     [ "$target" != default ] && env=("PORTABLE_GEMM_TARGET=$target")
     log="$OUT/pytest_${target}.log"
-    # full suite under the machine's own target; the GPU-relevant files under forced targets
-    # Measured under target 2.11 on an H200 host (runs 133-136, before this split): part1
-    # 237 s, part3 230 s (the two AOTInductor packages 148 s), test_targets.py under 270 s;
-    # part2 and part4 not measured as such.
-    parts=([2]="test_targets.py test_select_variant.py test_symbol_audit.py test_ci_config.py test_repo.py"
-           [3]="test_torch_integration.py test_vendor.py"
-           [4]="test_cpp_consumer.py test_sdist.py")
-    case ${PG_TEST_FILES:-.} in
-      part1) files=(); for f in tests/test_*.py; do
-               f=${f#tests/}; [[ " ${parts[*]} " == *" $f "* ]] || files+=("$f"); done ;;
-      part[234]) read -ra files <<< "${parts[${PG_TEST_FILES#part}]}" ;;
-      *) # shellcheck disable=SC2206  # a list of files, word-split on purpose
-         files=(${PG_TEST_FILES:-.}) ;;
-    esac
+    files=("${default_files[@]}")
     # (the AOTInductor test compiles two packages, ~80 s: once, under the machine's own target;
     # --deselect takes node ids from the rootdir, the repository root)
     [ "$target" != default ] && files=(test_cuda.py test_gemm.py test_mixed_linear.py test_torch_integration.py test_bad_input.py

@@ -241,12 +241,12 @@ def test_gpu_session_parts_cover_the_suite():
     or removed file named in a part would drop out of every part unseen; run the script's own
     split."""
     script = (REPO / "ci" / "gpu_session.sh").read_text()
-    split = re.search(r"^    parts=\(.*?^    esac\n", script, re.S | re.M)
+    split = re.search(r"^  parts=\(.*?^  esac\n", script, re.S | re.M)
     assert split, "gpu_session.sh's part1 ... part4 split not found"
     parts = []
     for n in range(1, 5):
         run = subprocess.run(
-            ["bash", "-c", f'PG_TEST_FILES=part{n}\n{split.group(0)}printf "%s\\n" "${{files[@]}}"'],
+            ["bash", "-c", f'PG_TEST_FILES=part{n}\n{split.group(0)}printf "%s\\n" "${{default_files[@]}}"'],
             cwd=REPO, capture_output=True, text=True, check=True)
         parts.append(run.stdout.split())
     suite = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
