@@ -105,6 +105,21 @@ def test_strided_numpy_views():
     (lambda: door.gemm(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), activation="tanh"),
      ValueError, "activation must be one of"),
     (lambda: door.gemm([[1.0]], np.ones((1, 1), np.float32)), TypeError, "must be an array"),
+    (lambda: door.gemm(np.ones((2, 3), ">f4"), np.ones((3, 4), np.float32)), TypeError,
+     r"a must be an array .*got ndarray of non-native byte order \(>\); convert it first"),
+    (lambda: door.gemm(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), bias=np.ones(4, np.float16)),
+     TypeError, "bias must have a's dtype, got float16"),
+    (lambda: door.gemm(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), bias=np.ones(5, np.float32)),
+     ValueError, "bias must be a 1-D array of N = 4 elements"),
+    (lambda: door.mixed_linear(np.ones((2, 64), np.float32), np.ones((4, 32), np.uint8), np.ones((4, 4), np.float32),
+                               4, 32), ValueError, r"scales must be \[N, K / group_size\] = \[4, 2\] with contiguous "
+     r"rows, got \[4, 4\]"),
+    (lambda: door.mixed_linear(np.ones((2, 8), np.float32), np.ones((4, 8), np.int8), np.ones((4, 1), np.float32),
+                               8), ValueError, r"scales must be 1-D \[N\] = \[4\] for per-channel quantisation, got \[4, 1\]"),
+    (lambda: door.gemm(torch.ones(2, 3, requires_grad=True), torch.ones(3, 4)), TypeError,
+     r"a requires grad, and the DLPack door runs outside autograd .*or pass a.detach\(\)"),
+    (lambda: door.mixed_linear(torch.ones(2, 8), torch.ones(4, 8, dtype=torch.int8),
+                               torch.ones(4, requires_grad=True), 8), TypeError, "scales requires grad"),
     (lambda: door.quantize_weight(np.ones((4, 6), np.float32), 3), ValueError, "bits must be 4 or 8"),
     (lambda: door.quantize_weight(np.ones((4, 6), np.float32), 8, 4), ValueError, "group_size must divide K"),
     (lambda: door.mixed_linear(np.ones((2, 8), np.float32), np.ones((4, 8), np.uint8),
@@ -240,6 +255,17 @@ def test_out_refused_before_anything_is_written(case):
         call(out)
     if before is not None:  # a refused call leaves out as it was
         assert np.array_equal(np.asarray(out), before)
+
+
+def test_out_refuses_a_tensor_that_requires_grad():
+    # the write would be hidden from autograd; the tensor is left as it was
+    out = torch.zeros(4, 5, requires_grad=True)
+    with pytest.raises(TypeError, match="out requires grad"):
+        door.gemm(np.ones((4, 6), np.float32), np.ones((6, 5), np.float32), out=out)
+    assert (out == 0).all() and out._version == 0
+    # a detached tensor (or one that never required grad) is written as any array
+    got = door.gemm(torch.ones(4, 6), torch.ones(6, 5), out=out.detach())
+    assert got.data_ptr() == out.data_ptr() and (out == 6).all()
 
 
 def test_out_refuses_a_dlpack_capsule():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -249,11 +251,17 @@ def test_meta_model_takes_a_quantised_state_dict(device):
     assert report["blocks.0.up"] == "int4 g128 (empty, on meta: load a quantised state_dict with assign=True)"
     assert model.blocks[0].up.qweight.is_meta
     model.load_state_dict(source.state_dict(), assign=True)
-    model.head.weight = model.emb.weight  # (assign=True leaves ties to the caller, as for any model)
+    # (head is a QuantizedLinear now, tied to nothing; the state_dict has no stray float copy)
+    assert "head.weight" not in model.state_dict() and set(model.state_dict()) == set(source.state_dict())
     ids = torch.randint(0, 50, (2, 5), device=device)
     with torch.no_grad():
         assert torch.equal(model(ids), source(ids))
-NONE = lambda module, name: False  # noqa: E731  (keeps every layer)
+NONE_CALLS: list[str] = []
+
+
+def NONE(module, name):  # keeps every layer, and counts its calls
+    NONE_CALLS.append(name)
+    return False
 
 
 @pytest.mark.parametrize("call,exc,match", [
@@ -267,12 +275,13 @@ NONE = lambda module, name: False  # noqa: E731  (keeps every layer)
      r"dtype must be None \(each layer's own\), torch.float32, torch.float16 or torch.bfloat16, got torch.float64"),
 ], ids=["a Linear", "not a module", "bits 3", "bits True", "group 0", "dtype f64"])
 def test_quantize_linears_refuses_bad_arguments_before_replacing(call, exc, match):
-    # (a filter that keeps every layer: the errors must come from the argument checks, not
-    # from building a layer)
+    # (a filter that keeps every layer: the errors must come from the argument checks, made
+    # before any filter_fn call, not from building a layer)
     model = nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 4))
+    NONE_CALLS.clear()
     with pytest.raises(exc, match=match):
         call(model)
-    assert all(type(m) is nn.Linear for m in model)
+    assert NONE_CALLS == []
 
 
 # QuantizedLinear.dequantize and .to_linear: the float weight the layer multiplies by, equal to
@@ -308,3 +317,88 @@ def test_quantized_linear_dequantize_and_to_linear(device, dtype, bits, group):
             layer.dequantize(bad)
         with pytest.raises(ValueError, match=r"QuantizedLinear\.to_linear: dtype must be None"):
             layer.to_linear(bad)
+
+
+def test_quantize_linears_keeps_a_layer_compiled_on_its_own():
+    # torch.compile(layer) inside a model: its compiled forward is bound to the float layer, so
+    # replacing the wrapper's _orig_mod would report a quantised layer that never runs
+    inner = nn.Linear(64, 8)
+    model = nn.Sequential(torch.compile(inner), nn.Linear(8, 4))
+    report = pg.nn.quantize_linears(model, bits=8, group_size=None)
+    assert report == {
+        "0._orig_mod": ("kept: it was compiled on its own (torch.compile(layer)), and the compiled forward "
+                        "keeps calling the float layer: quantise before compiling"),
+        "1": "int8 per channel",
+    }
+    assert model[0]._orig_mod is inner and type(model[1]) is pg.nn.QuantizedLinear
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fp16_scales_that_do_not_fit_are_refused(bits):
+    # in fp16 a tiny group's scale underflows to 0 (its weights would read as 0), and an fp32
+    # weight beyond 65504 overflows (inf scale: NaN outputs); bf16 has float32's range
+    torch.manual_seed(0)
+    q = 2 ** (bits - 1) - 1
+    linear = nn.Linear(256, 4)
+    with torch.no_grad():
+        linear.weight[0, :128] *= 0.5 * q * 2.0 ** -25 / linear.weight[0, :128].abs().max()  # under the floor
+        linear.weight[1, 128:] *= 2.0 * q * 2.0 ** -25 / linear.weight[1, 128:].abs().max()  # just above it
+        linear.weight[2, 5] = 1e5
+    with pytest.raises(ValueError, match=r"from_linear: in torch.float16, 1 of 8 groups' scales underflow to 0 "
+                                         r"\(their weights would read as 0\) and 1 of 8 groups' scales overflow to "
+                                         r"inf \(their outputs would be NaN\); quantise with dtype=torch.float32"):
+        pg.nn.QuantizedLinear.from_linear(linear, bits=bits, group_size=128, dtype=torch.float16)
+    layer = pg.nn.QuantizedLinear.from_linear(linear, bits=bits, group_size=128, dtype=bf16)
+    assert (layer.scales.float() > 0).all() and layer.scales.float().isfinite().all()
+    with torch.no_grad():
+        linear.weight[2, 5] = 0.0
+    layer = pg.nn.QuantizedLinear.from_linear(linear, bits=bits, group_size=None, dtype=torch.float16)
+    assert (layer.scales > 0).all()  # per channel: each row's absmax is above the floor
+    # quantize_linears keeps such a layer (the reason in the report) and converts the rest;
+    # a row of weights under 1e-6: under int8's floor (3.8e-6), above int4's (2.1e-7)
+    model = nn.Sequential(nn.Linear(256, 4), linear)
+    with torch.no_grad():
+        linear.weight[0] = torch.randn(256) * 1e-6 / 4
+    report = pg.nn.quantize_linears(model, bits=bits, dtype=torch.float16)
+    assert report["0"] == f"int{bits} g128"
+    if bits == 8:
+        assert report["1"].startswith("kept: in torch.float16, 2 of 8 groups' scales underflow to 0"), report
+        assert model[1] is linear
+    else:
+        assert report["1"] == "int4 g128" and type(model[1]) is pg.nn.QuantizedLinear
+
+
+def test_quantized_linear_checks_its_inputs_and_keeps_the_linears_state():
+    frozen = nn.Linear(64, 8).eval().requires_grad_(False)
+    layer = pg.nn.QuantizedLinear.from_linear(frozen, group_size=None)
+    assert not layer.training and not layer.bias.requires_grad
+    live = pg.nn.QuantizedLinear.from_linear(nn.Linear(64, 8), group_size=32)
+    assert live.training and live.bias.requires_grad
+    with pytest.raises(RuntimeError, match=r"x has shape \[2, 32\], but this layer takes \[\.\.\., in_features = 64\]"):
+        layer(torch.randn(2, 32))
+    with pytest.raises(ValueError, match=r"the Linear's weight is torch.float64, .* pass dtype= \(e.g. dtype=torch.float32\)"):
+        pg.nn.QuantizedLinear.from_linear(nn.Linear(64, 8, dtype=torch.float64))
+    assert pg.nn.QuantizedLinear(64, 8, bits=np.int64(8), group_size=np.int64(32)).bits == 8
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got True"):
+        pg.nn.QuantizedLinear(64, 8, bits=True)
+    double = copy.deepcopy(layer).double()
+    for call in (double, lambda x: double.dequantize(), lambda x: double.to_linear()):
+        with pytest.raises(TypeError, match=r"its scales are torch.float64 .* convert the module with \.float\(\)"):
+            call(torch.randn(2, 64, dtype=torch.float64))
+
+
+def test_state_dict_of_another_bit_width_is_refused():
+    # bits are not in the state_dict: an int8 qweight [8, 128] fits an int4 layer of
+    # in_features 256 by shape, and copy_ would turn its negative codes into garbage
+    int8 = pg.nn.QuantizedLinear.from_linear(nn.Linear(128, 8), bits=8, group_size=None)
+    int4 = pg.nn.QuantizedLinear(256, 8, bits=4, group_size=None, dtype=f32)
+    before = int4.qweight.clone()
+    with pytest.raises(RuntimeError, match=r"qweight is torch.int8 in the state_dict, but this layer has bits=4 "
+                                           r"\(torch.uint8\): build it with bits=8"):
+        int4.load_state_dict(int8.state_dict())
+    assert torch.equal(int4.qweight, before)
+    with torch.device("meta"):
+        empty = pg.nn.QuantizedLinear(256, 8, bits=4, group_size=None, dtype=f32)
+    with pytest.raises(RuntimeError, match="qweight is torch.int8 in the state_dict"):
+        empty.load_state_dict(int8.state_dict(), assign=True)
+    assert empty.qweight.dtype == torch.uint8

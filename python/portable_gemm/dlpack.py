@@ -41,6 +41,10 @@ operand; a refused ``out`` is left untouched. On CUDA a fresh result costs a cud
 freeing it a device-wide synchronising cudaFree (the door cannot know which streams its
 consumer used), which dominates small calls; with ``out`` a call allocates nothing at M <= 64,
 and a CUDA graph can capture it.
+Autograd: the door runs outside it. A torch tensor that requires grad is refused (as torch's
+own ``__dlpack__`` refuses it): use the torch ops, ``portable_gemm.gemm`` and friends, for
+gradients. An ``out`` tensor is written without autograd knowing (its version counter does
+not move), so never pass one that autograd saved for a backward pass.
 Bad input raises TypeError (dtype, kind of array) or ValueError (shapes, arguments, arrays on
 different devices); once the arguments are parsed (nanobind's own "incompatible function
 arguments" errors aside), the message begins with the function's full name

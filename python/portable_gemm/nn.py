@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .ops import _group_code, dequantize_weight, mixed_linear, quantize_weight
+from .ops import _bits_code, _group_code, dequantize_weight, mixed_linear, quantize_weight
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -16,6 +16,32 @@ def _check_float_dtype(dtype, method: str) -> None:
     if dtype is not None and dtype not in (*_DTYPES, torch.float64):
         raise ValueError(f"QuantizedLinear.{method}: dtype must be None (the scales'), torch.float32, "
                          f"torch.float16, torch.bfloat16 or torch.float64, got {dtype!r}")
+
+
+class _ScaleRangeError(ValueError):
+    """A weight whose scales do not fit the chosen dtype (quantize_linears keeps such layers)."""
+
+
+def _scale_range_problem(weight: torch.Tensor, scales: torch.Tensor, group_size: int | None,
+                         dtype: torch.dtype) -> str | None:
+    """Why `scales` (quantize_weight's, in `dtype`) lose part of `weight`, or None: a finite,
+    non-zero group whose scale underflowed to 0 (its weights would read as 0) or overflowed to
+    inf (fp16 holds at most 65504: its outputs would be NaN)."""
+    if weight.numel() == 0 or weight.is_meta:
+        return None
+    a = weight.detach().abs().float()
+    a = a.reshape(a.shape[0], -1, group_size).amax(-1) if group_size else a.amax(-1)
+    s = scales.float().reshape(a.shape)
+    finite = torch.isfinite(a)
+    under = int((finite & (a > 0) & (s == 0)).sum())
+    over = int((finite & ~torch.isfinite(s)).sum())
+    if not (under or over):
+        return None
+    unit = "groups" if group_size else "rows"
+    lost = [f"{under} of {a.numel()} {unit}' scales underflow to 0 (their weights would read as 0)"] if under else []
+    lost += [f"{over} of {a.numel()} {unit}' scales overflow to inf (their outputs would be NaN)"] if over else []
+    return (f"in {dtype}, {' and '.join(lost)}; quantise with dtype=torch.float32 or torch.bfloat16 "
+            "(float32's range)")
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -28,14 +54,18 @@ class QuantizedLinear(torch.nn.Module):
     `nn.Linear` and keeps its dtype unless given one. `group_size` (128 unless given; None:
     one scale per output channel) must divide in_features, and int4 needs an even
     in_features: `from_linear(nn.Linear(1000, n))` fails with the default group size, so
-    pass a divisor of 1000 or None."""
+    pass a divisor of 1000 or None.
+
+    The bit width and group size are not part of the state_dict: build the layer with the
+    checkpoint's (loading an int8 qweight into an int4 layer is refused)."""
 
     def __init__(self, in_features: int, out_features: int, *, bits: int = 4,
                  group_size: int | None = 128, bias: bool = True,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
+        if _bits_code(bits) not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+        bits = int(bits)
         group_size = _group_code(group_size) or None
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16 (the "
@@ -58,25 +88,59 @@ class QuantizedLinear(torch.nn.Module):
                     dtype: torch.dtype | None = None) -> "QuantizedLinear":
         """A QuantizedLinear holding `linear`'s weight quantised with `quantize_weight(bits,
         group_size)` and its bias, on its device, with scales and bias in `dtype` (the
-        Linear's own unless given: fp32 for a default nn.Linear)."""
+        Linear's own unless given: fp32 for a default nn.Linear), in the Linear's training
+        mode and with its bias' requires_grad.
+
+        Raises ValueError where a scale does not fit `dtype` rather than lose those weights:
+        in fp16, a group whose largest weight is under 127 * 2^-25 ~ 3.8e-6 (int8; 7 * 2^-25
+        for int4) gets scale 0, and one with a weight beyond 65504 scale inf. Quantise those
+        with dtype=torch.float32 or torch.bfloat16."""
+        if dtype is None and linear.weight.dtype not in _DTYPES:
+            raise ValueError(f"QuantizedLinear.from_linear: the Linear's weight is {linear.weight.dtype}, and the "
+                             "kernels take float32, float16 or bfloat16: pass dtype= (e.g. dtype=torch.float32) "
+                             "to quantise it in one of those")
         dtype = dtype or linear.weight.dtype
         m = cls(linear.in_features, linear.out_features, bits=bits, group_size=group_size,
                 bias=linear.bias is not None, dtype=dtype, device=linear.weight.device)
         with torch.no_grad():
             q, s = quantize_weight(linear.weight.detach().to(dtype), bits=bits, group_size=group_size)
+            problem = _scale_range_problem(linear.weight, s, m.group_size, dtype)
+            if problem:
+                raise _ScaleRangeError(f"QuantizedLinear.from_linear: {problem}")
             m.qweight.copy_(q)
             m.scales.copy_(s)
             if linear.bias is not None:
                 m.bias.copy_(linear.bias.to(dtype))
+        m.train(linear.training)
+        if m.bias is not None:
+            m.bias.requires_grad_(linear.bias.requires_grad)
         return m
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`mixed_linear(x, qweight, scales, ...) + bias`: x is [..., in_features] of a float
-        dtype on the layer's device; the result has x's dtype (the bias is cast to it)."""
+    def _check_scales_dtype(self) -> None:
         if self.scales.dtype not in _DTYPES:  # e.g. after .double(): the ops would refuse them
             raise TypeError(f"QuantizedLinear: its scales are {self.scales.dtype} (after .double() or .to()?), "
                             "but the kernels take float32, float16 or bfloat16 scales; convert the module "
                             "with .float(), .half() or .to(torch.bfloat16)")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # The bit width is not in the state_dict; an int8 qweight copied into an int4 layer's
+        # uint8 buffer (same shape when in_features doubles) would garble it without a word.
+        q = state_dict.get(prefix + "qweight")
+        if isinstance(q, torch.Tensor) and q.dtype != self.qweight.dtype:
+            error_msgs.append(f"{prefix}qweight is {q.dtype} in the state_dict, but this layer has bits={self.bits} "
+                              f"({self.qweight.dtype}): build it with bits={8 if q.dtype == torch.int8 else 4}")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`mixed_linear(x, qweight, scales, ...) + bias`: x is [..., in_features] of a float
+        dtype on the layer's device; the result has x's dtype (the bias is cast to it)."""
+        self._check_scales_dtype()
+        if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[-1] != self.in_features):
+            raise RuntimeError(f"QuantizedLinear: x has shape {list(x.shape)}, but this layer takes "
+                               f"[..., in_features = {self.in_features}]")
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return mixed_linear(x, self.qweight, self.scales, bits=self.bits, group_size=self.group_size, bias=bias)
 
@@ -88,6 +152,7 @@ class QuantizedLinear(torch.nn.Module):
         `dtype`: float32, float16, bfloat16 or float64 (float64 is exact; fp16 / bf16 from
         float32 scales are rounded twice, through float32)."""
         _check_float_dtype(dtype, "dequantize")
+        self._check_scales_dtype()
         with torch.no_grad():
             return dequantize_weight(self.qweight, self.scales, bits=self.bits, group_size=self.group_size,
                                      dtype=dtype)
@@ -123,6 +188,15 @@ def _outcome(bits: int, group_size: int | None) -> str:
 _READS_CHILD_WEIGHT = (torch.nn.TransformerEncoderLayer,)
 
 
+def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
+    """torch.compile(module)'s OptimizedModule: its compiled forward is bound to the module it
+    wrapped, so putting another in its `_orig_mod` changes nothing that runs."""
+    if not hasattr(module, "_orig_mod"):
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+    return isinstance(module, OptimizedModule)
+
+
 def _kept_because(linear: torch.nn.Linear, parents: list[torch.nn.Module], bits: int,
                   group_size: int | None, dtype: torch.dtype | None) -> str | None:
     """Why `linear` cannot become a QuantizedLinear with these settings, or None."""
@@ -138,6 +212,9 @@ def _kept_because(linear: torch.nn.Linear, parents: list[torch.nn.Module], bits:
     for parent in parents:
         if isinstance(parent, _READS_CHILD_WEIGHT):
             return f"its parent, a {type(parent).__qualname__}, reads its .weight"
+        if _is_compiled_wrapper(parent):
+            return ("it was compiled on its own (torch.compile(layer)), and the compiled forward keeps "
+                    "calling the float layer: quantise before compiling")
     if type(w) is not torch.nn.Parameter and type(w) is not torch.Tensor:
         return f"its weight is a {type(w).__qualname__}, not a plain tensor"
     if w.device.type not in ("cpu", "cuda", "meta"):
@@ -167,7 +244,9 @@ def quantize_linears(model: torch.nn.Module, *, bits: int = 4, group_size: int |
     nn.MultiheadAttention does with its `out_proj`) or parametrized, when its parent is a
     torch module that reads its `.weight` (nn.TransformerEncoderLayer), when its weight is
     lazy, a tensor subclass or not on cpu / cuda, when its dtype is not one the kernels take,
-    or when `group_size` does not divide its in_features (int4 also needs it even). Other code
+    when `group_size` does not divide its in_features (int4 also needs it even), when a scale
+    would not fit the dtype (fp16: see `QuantizedLinear.from_linear`), or when the layer was
+    itself compiled (`torch.compile(layer)` inside the model: quantise first). Other code
     that reads a replaced layer's `.weight` fails; keep such layers with `filter_fn`.
 
     A layer on the meta device (a model built under `torch.device("meta")`) becomes an empty
@@ -226,13 +305,17 @@ def quantize_linears(model: torch.nn.Module, *, bits: int = 4, group_size: int |
             new = QuantizedLinear(linear.in_features, linear.out_features, bits=bits, group_size=group_size,
                                   bias=linear.bias is not None, dtype=dtype or linear.weight.dtype,
                                   device="meta")
+            new.train(linear.training)
+            if new.bias is not None:
+                new.bias.requires_grad_(linear.bias.requires_grad)
             outcome = _outcome(bits, group_size) + " (empty, on meta: load a quantised state_dict with assign=True)"
         else:
-            new = QuantizedLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype)
+            try:
+                new = QuantizedLinear.from_linear(linear, bits=bits, group_size=group_size, dtype=dtype)
+            except _ScaleRangeError as e:
+                decided[key] = (None, "kept: " + str(e).removeprefix("QuantizedLinear.from_linear: "))
+                continue
             outcome = _outcome(bits, group_size)
-        new.train(linear.training)
-        if new.bias is not None:
-            new.bias.requires_grad_(linear.bias.requires_grad)
         if linear._forward_hooks or linear._forward_pre_hooks or "forward" in vars(linear):
             outcome += "; its forward hooks (or forward override) are not carried over"
         decided[key] = (new, outcome)

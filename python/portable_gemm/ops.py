@@ -213,7 +213,10 @@ def quantize_weight(weight: torch.Tensor, *, bits: int,
     bits=8 gives int8 [N, K]; bits=4 gives uint8 [N, K/2], two signed nibbles per byte (low
     nibble = even k). scale = absmax / (2^(bits-1) - 1) per output channel (group_size=None,
     scales [N]) or per group of group_size along K (scales [N, K/group_size]), in weight's dtype.
-    q = round-half-even(w / stored scale), clamped; an all-zero group gets scale 0 and q 0.
+    q = round-half-even(w / stored scale), clamped; an all-zero group gets scale 0 and q 0, and
+    so, in fp16, does a group whose absmax is under (2^(bits-1) - 1) * 2^-25 (its scale
+    underflows; just above that floor the scales are subnormal, with fewer bits: quantise such
+    weights from float32 or bfloat16).
     Non-finite weights are not hidden: a NaN makes its group's scale NaN, an Inf makes it Inf,
     and that group's q are 0 (so every output the group reaches is NaN).
 

@@ -237,11 +237,48 @@ void run(const Args& args, const Where& w, uintptr_t stream, pg::Status (*cpu_fn
   if (!s.ok()) throw nb::value_error(s.message ? s.message : "kernel failed");
 }
 
+// torch.Tensor where torch is imported already (the door never imports it), else null.
+PyObject* torch_tensor_type() {
+  static PyObject* type = nullptr;  // a reference kept for the process (under the GIL)
+  if (type == nullptr) {
+    PyObject* modules = PySys_GetObject("modules");  // borrowed
+    PyObject* torch = modules ? PyDict_GetItemString(modules, "torch") : nullptr;  // borrowed
+    if (torch != nullptr) type = PyObject_GetAttrString(torch, "Tensor");
+    if (type == nullptr) PyErr_Clear();
+  }
+  return type;
+}
+
+// A torch tensor that requires grad: the door runs outside autograd, so its result would
+// carry no gradient, and a write into it (out=) would be hidden from autograd. Refused, as
+// torch's own __dlpack__ refuses to export such a tensor.
+void refuse_autograd(nb::handle h, const char* name) {
+  PyObject* tensor = torch_tensor_type();
+  if (tensor == nullptr || PyObject_IsInstance(h.ptr(), tensor) != 1) return;
+  nb::object rg = nb::getattr(h, "requires_grad", nb::bool_(false));
+  if (PyObject_IsTrue(rg.ptr()) == 1)
+    throw nb::type_error((std::string(name) + " requires grad, and the DLPack door runs outside autograd (no "
+                          "gradient would reach it): use portable_gemm's torch ops (portable_gemm.gemm, "
+                          "portable_gemm.mixed_linear), or pass " + name + ".detach()").c_str());
+}
+
+// Why nanobind could not import `h` as an array, where a common case says more than its type.
+std::string not_an_array(nb::handle h) {
+  nb::object dtype = nb::getattr(h, "dtype", nb::none());
+  nb::object order = dtype.is_none() ? nb::none() : nb::getattr(dtype, "byteorder", nb::none());
+  std::string o;
+  if (nb::try_cast<std::string>(order, o) && (o == ">" || o == "<"))  // '=' native, '|' one byte
+    return std::string(nb::inst_name(h).c_str()) + " of non-native byte order (" + o +
+           "); convert it first, e.g. a.astype(a.dtype.newbyteorder('='))";
+  return nb::inst_name(h).c_str();
+}
+
 Array as_array(nb::handle h, const char* name) {
+  refuse_autograd(h, name);
   Array a;
   if (!nb::try_cast<Array>(h, a))
     throw nb::type_error((std::string(name) + " must be an array (NumPy, or any object with __dlpack__ on the "
-                          "CPU or a CUDA device), got " + nb::inst_name(h).c_str()).c_str());
+                          "CPU or a CUDA device), got " + not_an_array(h)).c_str());
   return a;
 }
 
@@ -282,6 +319,7 @@ pg::Matrix out_matrix(nb::handle out_obj, OutArray& o, int64_t rows, int64_t n, 
   // A bare DLPack capsule is consumed by its import: the caller could not read the result
   if (nb::isinstance<nb::capsule>(out_obj))
     throw nb::type_error("out must be the array itself, not a DLPack capsule (the capsule is used up once read)");
+  refuse_autograd(out_obj, "out");
   if (!nb::try_cast<OutArray>(out_obj, o))
     throw nb::type_error(("out must be a writable array (NumPy, or any object with __dlpack__ on the CPU or a "
                           "CUDA device), got " + std::string(nb::inst_name(out_obj).c_str()) +
@@ -317,9 +355,11 @@ Result epilogue_and_output(Args& args, pg::Matrix Args::*out_field, int64_t rows
                            const char* input, bool bf16_bits, std::optional<nb::handle> out,
                            std::initializer_list<std::pair<const Array*, const char*>> operands) {
   if (bias) {
-    if (float_dtype(*bias, "bias", bf16_bits) != dt || bias->ndim() != 1 || bias->shape(0) != (size_t)n)
-      throw nb::value_error(("bias must be a 1-D array of " + std::string(input) + "'s dtype with N = " +
-                             std::to_string(n) + " elements").c_str());
+    if (float_dtype(*bias, "bias", bf16_bits) != dt)
+      throw nb::type_error(("bias must have " + std::string(input) + "'s dtype, got " + dtype_label(bias->dtype()))
+                               .c_str());
+    if (bias->ndim() != 1 || bias->shape(0) != (size_t)n)
+      throw nb::value_error(("bias must be a 1-D array of N = " + std::to_string(n) + " elements").c_str());
     args.bias = bias->data();
     args.bias_stride = bias->stride(0);
   }
@@ -407,9 +447,17 @@ nb::object mixed_linear(nb::handle x_obj, const Array& x, const Array& qweight, 
   const size_t want_ndim = args.w.group_size ? 2 : 1;
   const bool shape_ok = scales.ndim() == want_ndim && scales.shape(0) == (size_t)args.w.n &&
                         (want_ndim == 1 || (args.w.group_size && scales.shape(1) == (size_t)(args.x.cols / args.w.group_size)));
-  if (!shape_ok || (want_ndim == 2 && scales.stride(1) != 1 && scales.shape(1) > 1))
-    throw nb::value_error(args.w.group_size ? "scales must be [N, K / group_size] with contiguous rows"
-                                            : "scales must be 1-D [N] for per-channel quantisation");
+  if (!shape_ok || (want_ndim == 2 && scales.stride(1) != 1 && scales.shape(1) > 1)) {
+    std::string got = "[";
+    for (size_t d = 0; d < scales.ndim(); ++d) got += (d ? ", " : "") + std::to_string(scales.shape(d));
+    got += "]";
+    const std::string n = std::to_string(args.w.n);
+    throw nb::value_error(
+        (args.w.group_size ? "scales must be [N, K / group_size] = [" + n + ", " +
+                                 std::to_string(args.x.cols / args.w.group_size) + "] with contiguous rows, got " + got
+                           : "scales must be 1-D [N] = [" + n + "] for per-channel quantisation, got " + got)
+            .c_str());
+  }
   args.w.scales_row_stride = scales.stride(0);
   if ((bits == 8 ? qweight.shape(1) : 2 * qweight.shape(1)) != (size_t)args.x.cols)
     throw nb::value_error("qweight does not match x's K (int4: [N, K/2])");
