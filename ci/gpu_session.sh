@@ -70,9 +70,8 @@ fi
 if want tests; then
   # The default target's test files: the full suite, or a part of it (PG_TEST_FILES);
   # forced targets run the GPU-relevant files (below).
-  # Measured under target 2.11 on an H200 host (runs 133-136, before this split): part1
-  # 237 s, part3 230 s (the two AOTInductor packages 148 s), test_targets.py under 270 s;
-  # part2 and part4 not measured as such.
+  # Measured under target 2.11 (bench/GPU_NOTES.md): part1 215 s, part2 under 216 s, part4
+  # 291 s (runs 137-140, an H100); part3 230 s (run 135, an H200).
   parts=([2]="test_targets.py test_select_variant.py test_symbol_audit.py test_ci_config.py test_repo.py"
          [3]="test_torch_integration.py test_vendor.py"
          [4]="test_cpp_consumer.py test_sdist.py")
