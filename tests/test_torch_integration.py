@@ -25,6 +25,16 @@ def opcheck_samples(device):
     q8, s8 = pg.quantize_weight(w, bits=8)
     yield ops.mixed_linear.default, (rand((1, 64), torch.bfloat16, device), q8, s8, 8, 0,
                                      rand((16,), torch.bfloat16, device), 1)
+    # inputs that require grad: opcheck's autograd and AOT-dispatch checks run the backward
+    # (without one they pass trivially), with K = 0 and N = 0 among them
+    req = lambda t: t.requires_grad_()  # noqa: E731
+    for (m, k, n), act in (((5, 12, 7), 2), ((3, 0, 4), 0), ((3, 5, 0), 1)):
+        a, b = rand((m, k), torch.float32, device), rand((k, n), torch.float32, device)
+        yield ops.gemm.default, (req(a), req(b), req(rand((n,), torch.float32, device)), act)
+    for n, act in ((16, 3), (0, 0)):
+        q8, s8 = pg.quantize_weight(rand((n, 64), torch.float32, device), bits=8)
+        yield ops.mixed_linear.default, (req(rand((2, 3, 64), torch.float32, device)), q8, s8, 8, 0,
+                                         req(rand((n,), torch.float32, device)), act)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -33,7 +43,55 @@ def test_opcheck(device):
     for op, args in opcheck_samples(device):
         torch.library.opcheck(op, args)
         count += 1
-    assert count == 8
+    assert count == 13
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_keeps_only_what_it_needs(device):
+    # as torch's mm and linear: a frozen b keeps no `a` alive until backward, and mixed_linear
+    # without an activation keeps no x (its weight is never differentiable)
+    def saved(f):
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(tuple(t.shape)) or t, lambda t: t):
+            out = f()
+        out.sum().backward()
+        return sorted(packed)
+
+    a = rand((64, 32), torch.float32, device).requires_grad_()
+    b = rand((32, 16), torch.float32, device)
+    q, s = pg.quantize_weight(rand((16, 32), torch.float32, device), bits=8)
+    bias = rand((16,), torch.float32, device).requires_grad_()
+    assert saved(lambda: pg.gemm(a, b)) == [(32, 16)]
+    assert saved(lambda: pg.gemm(a.detach(), b.requires_grad_())) == [(64, 32)]
+    b.requires_grad_(False)
+    assert saved(lambda: pg.mixed_linear(a, q, s, bits=8, bias=bias)) == [(16,), (16, 32)]
+    assert saved(lambda: pg.mixed_linear(a.detach(), q, s, bits=8, bias=bias)) == []
+    # an activation's gradient recomputes the pre-activation from every input
+    assert saved(lambda: pg.mixed_linear(a, q, s, bits=8, bias=bias, activation="gelu")) == \
+        [(16,), (16,), (16, 32), (64, 32)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_backward_and_dequantize_match_eager(device):
+    torch._dynamo.reset()
+    q, s = pg.quantize_weight(rand((32, 64), torch.float32, device), bits=4, group_size=32)
+
+    def f(x, b, bias):
+        h = pg.gemm(x, b, activation="silu")
+        return pg.mixed_linear(h, q, s, bits=4, group_size=32, bias=bias, activation="gelu")
+
+    inputs = [rand(shape, torch.float32, device) for shape in ((6, 48), (48, 64), (32,))]
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        fn(*leaves).square().sum().backward()
+        grads.append([t.grad for t in leaves])
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    # dequantize_weight traces whole too (its checks' messages close over no tensor)
+    deq = torch.compile(lambda q, s: pg.dequantize_weight(q, s, bits=4, group_size=32), fullgraph=True,
+                        backend="aot_eager")
+    assert torch.equal(deq(q, s), pg.dequantize_weight(q, s, bits=4, group_size=32))
 
 
 @pytest.mark.parametrize("device", DEVICES)

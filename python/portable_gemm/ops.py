@@ -43,6 +43,8 @@ def _needs_autograd(*tensors) -> bool:
     that carries a forward-mode tangent. (A plain loop: this runs on every call, and a
     generator expression here cost ~0.5 us of a decode-size call's host time.)"""
     if _is_compiling():
+        # (first: Dynamo traces under a functorch interpreter of its own, so the check below
+        # would see a transform in every compiled call, and it cannot trace that check)
         return True
     transform = _functorch_transform()
     if transform is not None or _forward_ad._current_level >= 0:
@@ -289,13 +291,17 @@ def _dtype_name(t: torch.Tensor) -> str:
     return _DTYPE_NAMES.get(t.dtype, "an unsupported dtype")
 
 
+# (The message closures below hold plain values, never a tensor: Dynamo refuses a closure over
+# one, and dequantize_weight runs these checks under torch.compile itself.)
 def _check_float(t, op, name):
-    torch._check(t.dtype in _FLOATS, lambda: f"{op}: {name} must be float32, float16 or bfloat16, got {_dtype_name(t)}")
+    got = _dtype_name(t)
+    torch._check(t.dtype in _FLOATS, lambda: f"{op}: {name} must be float32, float16 or bfloat16, got {got}")
 
 
 def _check_device(ref, t, op, ref_name, name):
-    torch._check(t.device == ref.device, lambda: f"{op}: {name} is on {t.device} but {ref_name} is on "
-                                                 f"{ref.device}; move all inputs to one device")
+    here, there = t.device, ref.device
+    torch._check(here == there, lambda: f"{op}: {name} is on {here} but {ref_name} is on {there}; "
+                                        "move all inputs to one device")
 
 
 def _check_bits(bits, op):
@@ -323,28 +329,28 @@ def _check_activation(code, op):
 def _check_qweight(qweight, bits, op):
     """bits, and a 2-D qweight of the dtype bits needs."""
     _check_bits(bits, op)
-    torch._check(qweight.dim() == 2, lambda: f"{op}: qweight must be 2-D [N, K] (int8) or [N, K/2] (int4), "
-                                             f"got {qweight.dim()} dims")
+    dims, got = qweight.dim(), _dtype_name(qweight)
+    torch._check(dims == 2, lambda: f"{op}: qweight must be 2-D [N, K] (int8) or [N, K/2] (int4), got {dims} dims")
     qtype = torch.int8 if bits == 8 else torch.uint8
     torch._check(qweight.dtype == qtype, lambda: f"{op}: bits={bits} needs qweight of dtype {_DTYPE_NAMES[qtype]}, "
-                                                 f"got {_dtype_name(qweight)} (use quantize_weight)")
+                                                 f"got {got} (use quantize_weight)")
 
 
 def _check_scales(scales, n, k, group_size, op):
     """group_size against K, and float scales of shape [N] or [N, K / group_size]."""
     _check_group(group_size, k, op)
     _check_float(scales, op, "scales")
-    want = (n, k // group_size) if group_size else (n,)
-    torch._check(tuple(scales.shape) == want, lambda: f"{op}: scales must have shape "
+    want, shape = (n, k // group_size) if group_size else (n,), tuple(scales.shape)
+    torch._check(shape == want, lambda: f"{op}: scales must have shape "
                  + (f"[N, K / group_size] = [{n}, {k // group_size}]" if group_size else f"[N] = [{n}]")
-                 + f" for group_size={group_size or 'None (per channel)'}" + _scales_hint(scales, n, k))
+                 + f" for group_size={group_size or 'None (per channel)'}" + _scales_hint(shape, n, k))
 
 
-def _scales_hint(scales, n, k) -> str:
+def _scales_hint(shape: tuple, n, k) -> str:
     """Which group_size scales of this shape come from, where that can be read off them."""
-    if scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] > 0 and k % scales.shape[1] == 0:
-        return f"; scales of shape [{n}, {scales.shape[1]}] come from group_size={k // scales.shape[1]}"
-    if scales.dim() == 1 and scales.shape[0] == n:
+    if len(shape) == 2 and shape[0] == n and shape[1] > 0 and k % shape[1] == 0:
+        return f"; scales of shape [{n}, {shape[1]}] come from group_size={k // shape[1]}"
+    if len(shape) == 1 and shape[0] == n:
         return "; scales of shape [N] come from group_size=None"
     return ""
 
@@ -436,20 +442,30 @@ def _grad_pre_activation(grad, code, recompute):
     return (grad.float() * _activation_grad(recompute(), code)).to(grad.dtype)
 
 
+# What backward needs, and no more (as torch's mm and linear save): an activation's gradient
+# recomputes the pre-activation from all inputs; grad_a needs b, grad_b needs a, grad_bias
+# only the incoming gradient. So a frozen b keeps no `a` alive until backward.
 def _gemm_setup(ctx, inputs, output):
     a, b, bias, activation = inputs
-    ctx.save_for_backward(a, b, bias)
-    ctx.activation = activation
+    need_a, need_b, _ = ctx.needs_input_grad[:3]
+    act = activation != 0
+    ctx.save_for_backward(a if act or need_b else None, b if act or need_a else None, bias if act else None)
+    ctx.activation, ctx.has_bias, ctx.shape_b = activation, bias is not None, tuple(b.shape)
+
+
+def _rows(t: torch.Tensor) -> int:
+    """The rows of t as a matrix [rows, t.shape[-1]]: reshape(-1, 0) cannot infer them."""
+    return math.prod(t.shape[:-1])
 
 
 def _gemm_backward(ctx, grad):
     a, b, bias = ctx.saved_tensors
     op = _ops().gemm
     g = _grad_pre_activation(grad, ctx.activation, lambda: op(a, b, bias, 0))
-    k, n = b.shape
+    k, n = ctx.shape_b
     grad_a = op(g, b.mT, None, 0) if ctx.needs_input_grad[0] else None
-    grad_b = op(a.reshape(-1, k).mT, g.reshape(-1, n), None, 0) if ctx.needs_input_grad[1] else None
-    grad_bias = g.reshape(-1, n).sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+    grad_b = op(a.reshape(_rows(a), k).mT, g.reshape(_rows(g), n), None, 0) if ctx.needs_input_grad[1] else None
+    grad_bias = g.reshape(_rows(g), n).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_a, grad_b, grad_bias, None
 
 
@@ -463,8 +479,12 @@ def _mixed_setup(ctx, inputs, output):
     if scales.requires_grad:
         raise RuntimeError(f"{NAMESPACE}.mixed_linear: scales require grad, but the quantised weight is "
                            "not differentiable (gradients flow to x and bias only); pass scales.detach()")
-    ctx.save_for_backward(x, qweight, scales, bias)
+    # (as gemm's: x only to recompute an activation's input; the weight for grad_x or that)
+    act, need_w = activation != 0, activation != 0 or ctx.needs_input_grad[0]
+    ctx.save_for_backward(x if act else None, qweight if need_w else None, scales if need_w else None,
+                          bias if act else None)
     ctx.bits, ctx.group_size, ctx.activation = bits, group_size, activation
+    ctx.has_bias, ctx.n, ctx.x_dtype = bias is not None, qweight.shape[0], x.dtype
 
 
 def _mixed_backward(ctx, grad):
@@ -472,13 +492,13 @@ def _mixed_backward(ctx, grad):
     op = _ops()
     g = _grad_pre_activation(grad, ctx.activation, lambda: op.mixed_linear(
         x, qweight, scales, ctx.bits, ctx.group_size, bias, 0))
-    n = qweight.shape[0]
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        w = dequantize_weight(qweight, scales, bits=ctx.bits, group_size=ctx.group_size or None, dtype=x.dtype)
+        w = dequantize_weight(qweight, scales, bits=ctx.bits, group_size=ctx.group_size or None,
+                              dtype=ctx.x_dtype)
         grad_x = op.gemm(g, w, None, 0)  # [..., N] @ [N, K]
-    if bias is not None and ctx.needs_input_grad[5]:
-        grad_bias = g.reshape(-1, n).sum(0)
+    if ctx.has_bias and ctx.needs_input_grad[5]:
+        grad_bias = g.reshape(_rows(g), ctx.n).sum(0)
     return grad_x, None, None, None, None, grad_bias, None
 
 
