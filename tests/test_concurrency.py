@@ -21,6 +21,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import run_python
 
 import portable_gemm as pg
 import portable_gemm.dlpack as door
@@ -553,3 +554,33 @@ def test_return_during_finalization_dlpack_door(procs):
     raise AssertionError(
         f"control torch.mm exited {p.returncode} in 3 attempts: the harness did not reach a return "
         f"during finalization, so the door's exit 0 above proves nothing\n{cerr[-2000:]}")
+
+
+FIRST_USE_FROM_THREADS = r"""
+import sys, threading, time
+import portable_gemm as pg   # before torch: loading waits for the first torch-facing name
+import torch
+delay = float(sys.argv[1])
+errors = []
+def call():
+    try:
+        assert torch.equal(pg.gemm(torch.ones(2, 3), torch.ones(3, 2)), torch.full((2, 2), 3.0))
+    except BaseException as e:
+        errors.append(f"{type(e).__name__}: {e}")
+threads = [threading.Thread(target=call) for _ in range(4)]
+for t in threads:
+    t.start()
+    time.sleep(delay)
+for t in threads:
+    t.join()
+print(errors or "ok")
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.005, 0.01, 0.02])
+def test_first_use_from_several_threads(delay):
+    # The first torch-facing name loads the binding and runs the ops module; a thread that
+    # arrived while another was loading read a half-run module ("partially initialized module
+    # 'portable_gemm.ops' has no attribute 'gemm'", 10 ms apart) before the loader's lock.
+    r = run_python("", args=["-c", FIRST_USE_FROM_THREADS, str(delay)])
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

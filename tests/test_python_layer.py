@@ -478,6 +478,12 @@ def test_installed_manifest_records_its_source():
     ({"PORTABLE_GEMM_AVX2_DQ": "1", "PORTABLE_GEMM_ISA": ""}, None, ["PORTABLE_GEMM_AVX2_DQ='1' applies to the AVX2"]),
     ({"PORTABLE_GEMM_AVX2_DQ": "on"}, "2.9", ["PORTABLE_GEMM_AVX2_DQ='on' is neither '0' (never) nor '1'"]),
     ({"PORTABLE_GEMM_AVX2_DQ": "yes"}, None, ["PORTABLE_GEMM_AVX2_DQ='yes' is neither"]),
+    ({"PORTABLE_GEMM_DISABLE_SM90": "1"}, "2.11", []),
+    ({"PORTABLE_GEMM_DISABLE_SM90": "0"}, None, []),
+    ({"PORTABLE_GEMM_DISABLE_SM90": "false"}, "2.11", ["PORTABLE_GEMM_DISABLE_SM90='false' is neither '0' nor '1'; "
+                                                      "the CUDA kernels read it as '1': the sm_90 kernels are off"]),
+    ({"PORTABLE_GEMM_DISABLE_SM90": "00"}, None, ["PORTABLE_GEMM_DISABLE_SM90='00' is neither '0' nor '1'; the "
+                                                  "CUDA kernels read it as '0': the sm_90 kernels are on"]),
     ({"PORTABLE_GEMM_ISA": "x", "PORTABLE_GEMM_POOL": "own", "PORTABLE_GEMM_NUM_THREADS": "0"}, "2.10",
      ["PORTABLE_GEMM_ISA='x'", "PORTABLE_GEMM_NUM_THREADS='0' is not", "PORTABLE_GEMM_POOL='own' applies"]),
 ])
@@ -487,6 +493,30 @@ def test_env_problems(env, target, expect):
     threading = None if target is None else _env.TORCH_POOL if target != "2.9" else "torch_openmp"
     got = _env.problems(env, cpu_isa="avx512", target=target, threading=threading, threading_why="w")
     assert len(got) == len(expect) and all(e in g for e, g in zip(expect, got)), got
+
+
+@pytest.mark.parametrize("value, off", [(None, False), ("", False), ("0", False), ("1", True), ("false", True),
+                                        ("0x1", False)])
+def test_info_says_when_the_sm90_kernels_are_switched_off(value, off):
+    # info's "sm_90 gemm" line comes from the build manifest; the kernels read the variable
+    # as sm90_dispatch.cu does (set and not starting with 0: off)
+    from portable_gemm import _env
+    from portable_gemm._info import format_info
+
+    env = {} if value is None else {"PORTABLE_GEMM_DISABLE_SM90": value}
+    assert _env.sm90_disabled(env) is off
+    d = pg.info()
+    if not d["manifest"].get("toolchain", {}).get("cuda"):
+        pytest.skip("this wheel was built without CUDA: info has no sm_90 line")
+    saved = os.environ.pop("PORTABLE_GEMM_DISABLE_SM90", None)
+    try:
+        os.environ.update(env)
+        line = next(ln for ln in format_info(d).splitlines() if ln.startswith("sm_90 gemm"))
+    finally:
+        os.environ.pop("PORTABLE_GEMM_DISABLE_SM90", None)
+        if saved is not None:
+            os.environ["PORTABLE_GEMM_DISABLE_SM90"] = saved
+    assert line.endswith(f" (off: PORTABLE_GEMM_DISABLE_SM90={value})") is off, line
 
 
 # PORTABLE_GEMM_AVX2_DQ where the AVX2 kernels run (an AVX2-only CPU, or PORTABLE_GEMM_ISA=avx2):
@@ -512,3 +542,14 @@ def test_quantized_linear_in_float64_is_refused_clearly():
     m = pg.nn.QuantizedLinear(64, 8, bits=8, group_size=None).double()
     with pytest.raises(TypeError, match=r"scales are torch.float64 .* convert the module with .float\(\)"):
         m(torch.randn(2, 64, dtype=torch.float64))
+
+
+def test_an_unreadable_torch_version_is_named_as_such():
+    # select_variant refuses the torch version and the manifest's alike; the loader tells
+    # the user which (it had blamed the manifest and said to reinstall the wheel)
+    r = run_python("import torch\ntorch.__version__ = 'unknown'\nimport portable_gemm")
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: portable_gemm: cannot read the installed torch's version (cannot read a "
+                           "major.minor version from 'unknown')"), last
+    assert "manifest" not in last, last

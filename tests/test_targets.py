@@ -204,7 +204,8 @@ def test_info_cli():
 
 # The README's first command ends in `python -m portable_gemm demo`: its main job.
 DEMO_ROWS = ("gemm float32 +bias gelu", "gemm float16 +bias gelu", "gemm bfloat16 +bias gelu",
-             "mixed_linear int8 gchan", "mixed_linear int4 g128")
+             "quantize_weight int8 gchan", "mixed_linear int8 gchan", "quantize_weight int4 g128",
+             "mixed_linear int4 g128")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -230,17 +231,28 @@ def test_demo_cli_runs_every_op_and_says_what_it_chose(device):
     assert f"{len(DEMO_ROWS)} passed, 0 failed" in out
 
 
+def run_demo_patched(patch: str, device: str = "cpu"):
+    """`python -m portable_gemm demo --device DEVICE` after `patch` ran (pg and torch imported)."""
+    code = ("import sys, torch, portable_gemm as pg\n" + patch
+            + f"from portable_gemm.__main__ import main\nsys.exit(main(['demo', '--device', {device!r}]))\n")
+    return run_python(code)
+
+
 def test_demo_cli_fails_when_an_op_is_wrong():
     # The demo's check can fail: with gemm's output scaled by 1.05 it reports FAIL, exit 1.
-    code = (
-        "import sys, portable_gemm as pg\n"
-        "real = pg.gemm\n"
-        "pg.gemm = lambda *a, **k: real(*a, **k) * 1.05\n"
-        "from portable_gemm.__main__ import main\n"
-        "sys.exit(main(['demo', '--device', 'cpu']))\n")
-    proc = run_python(code)
+    proc = run_demo_patched("real = pg.gemm\npg.gemm = lambda *a, **k: real(*a, **k) * 1.05\n")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("FAIL") == 3 and "2 passed, 3 failed" in proc.stdout
+    assert proc.stdout.count("FAIL") == 3 and "4 passed, 3 failed" in proc.stdout
+
+
+def test_demo_cli_fails_when_the_quantiser_loses_the_weight():
+    # mixed_linear's reference is built from q and s; the quantize_weight rows compare them
+    # with the weight itself, so zero scales (every weight read as 0) fail there
+    proc = run_demo_patched("real = pg.quantize_weight\n"
+                            "pg.quantize_weight = lambda *a, **k: (lambda q, s: (q, s * 0))(*real(*a, **k))\n")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failed = [ln.split("  ")[0] for ln in proc.stdout.splitlines() if ln.endswith("FAIL")]
+    assert failed == ["quantize_weight int8 gchan", "quantize_weight int4 g128"], proc.stdout
 
 
 def test_demo_cli_refuses_cuda_without_a_device():
@@ -250,6 +262,18 @@ def test_demo_cli_refuses_cuda_without_a_device():
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr[-2000:]
     assert proc.stderr.startswith("demo: --device cuda asked for, but "), proc.stderr
+
+
+def test_demo_cli_refuses_cuda_where_the_cuda_binding_is_not_loaded():
+    # torch sees a GPU but portable_gemm's CUDA binding did not load (here: a CPU-only torch
+    # told it has CUDA): one line with the binding's reason and exit 2, not the dispatcher's
+    # "Could not run ... with arguments from the 'CUDA' backend" from the first op
+    if pg.info()["cuda"]["loaded"]:
+        pytest.skip("the CUDA binding is loaded here")
+    reason = pg.info()["cuda"]["reason"]
+    proc = run_demo_patched("torch.cuda.is_available = lambda: True\n", device="cuda")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip() == f"demo: --device cuda asked for, but the CUDA binding is not loaded: {reason}"
 
 
 @pytest.mark.parametrize("cmd", ["info", "demo"])

@@ -90,7 +90,7 @@ def test_vendored_copy_cli_is_its_own(vendored):
     assert proc.stdout.startswith("portable_gemm ") and "(torch.ops.downstream_ns; a vendored copy)" in proc.stdout
     assert f"cpu      {vendored.resolve() / 'pg_copy' / 'lib'}" in proc.stdout, proc.stdout
     proc = run_python("", args=["-c", run, "demo", "--device", "cpu"])
-    assert proc.returncode == 0 and "5 passed, 0 failed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "7 passed, 0 failed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     proc = run_python("", args=["-c", run, "--cmake-dir"])
     assert proc.returncode == 2 and "a vendored copy carries none" in proc.stderr, proc.stderr[-2000:]
     proc = run_python("", args=["-c", run, "vendor", "--into", str(vendored / "again"), "--namespace", "ns9"])

@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import sys
+import threading
 
 from ._namespace import NAMESPACE
 
@@ -20,18 +21,26 @@ _OPS = ("gemm", "quantize_weight", "mixed_linear", "dequantize_weight")
 _SCRATCH = ("release_cpu_scratch", "cpu_scratch_bytes")
 __all__ = [*_OPS, *_SCRATCH, "info", "NAMESPACE"]
 _state = None
+_ready = False  # _state set and the ops module run
+_lock = threading.RLock()
 
 
 def _load():
-    """Import torch, load the matching binding, register the ops (once per process)."""
-    global _state
-    if _state is None:
-        import torch  # noqa: F401  (the bindings resolve their symbols against libtorch)
+    """Import torch, load the matching binding, register the ops (once per process). Threads
+    that arrive while another loads wait for it: the ops module must have run to its end
+    before anyone reads a wrapper from it."""
+    global _state, _ready
+    if _ready:
+        return _state
+    with _lock:
+        if _state is None:
+            import torch  # noqa: F401  (the bindings resolve their symbols against libtorch)
 
-        from . import _loader
+            from . import _loader
 
-        _state = _loader.load()
-        importlib.import_module(f"{__name__}.ops")  # fake kernels and autograd
+            _state = _loader.load()
+            importlib.import_module(f"{__name__}.ops")  # fake kernels and autograd
+            _ready = True
     return _state
 
 

@@ -30,6 +30,13 @@ def pool_threads(value: str | None) -> int | None:
     return n if n >= 1 else None
 
 
+def sm90_disabled(environ: Mapping[str, str]) -> bool:
+    """Whether PORTABLE_GEMM_DISABLE_SM90 turns the sm_90 kernels off, read as the CUDA
+    kernels read it (sm90_dispatch.cu): any value that is not empty and not starting with 0."""
+    value = environ.get("PORTABLE_GEMM_DISABLE_SM90", "")
+    return value != "" and not value.startswith("0")
+
+
 def problems(environ: Mapping[str, str], *, cpu_isa: str, target: str | None = None,
              threading: str | None = None, threading_why: str | None = None) -> list[str]:
     """One line per setting that is ignored or has no effect. target: the torch binding's
@@ -54,6 +61,10 @@ def problems(environ: Mapping[str, str], *, cpu_isa: str, target: str | None = N
     elif dq and cpu_isa != "avx2":
         out.append(f"PORTABLE_GEMM_AVX2_DQ={dq!r} applies to the AVX2 kernels only; the CPU kernels run on "
                    f"{cpu_isa} (PORTABLE_GEMM_ISA=avx2 selects them)")
+    sm90 = environ.get("PORTABLE_GEMM_DISABLE_SM90")
+    if sm90 not in (None, "", "0", "1"):
+        out.append(f"PORTABLE_GEMM_DISABLE_SM90={sm90!r} is neither '0' nor '1'; the CUDA kernels read it as "
+                   + ("'1': the sm_90 kernels are off" if sm90_disabled(environ) else "'0': the sm_90 kernels are on"))
     fill = environ.get("PORTABLE_GEMM_FILL_OUTPUTS")
     if fill not in (None, "", "0", "1"):
         out.append(f"PORTABLE_GEMM_FILL_OUTPUTS={fill!r} is neither '0' nor '1'; outputs are not filled")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ._env import sm90_disabled
+
 
 def info() -> dict:
     """Torch version, the target loaded, every built target with the reason it was taken
@@ -88,7 +90,9 @@ def format_info(d: dict) -> str:
     lines.append(f"build        torch {m.get('build_torch')} headers, {tc.get('cxx')}"
                  + (f", {tc['cuda']['compiler']} ({tc['cuda']['archs']})" if tc.get("cuda") else ", no CUDA"))
     if tc.get("cuda"):
-        lines.append("sm_90 gemm   " + (tc["cuda"].get("sm90_gemm") or "portable kernel (built without CUTLASS)"))
+        off = os.environ.get("PORTABLE_GEMM_DISABLE_SM90") if sm90_disabled(os.environ) else None
+        lines.append("sm_90 gemm   " + (tc["cuda"].get("sm90_gemm") or "portable kernel (built without CUTLASS)")
+                     + (f" (off: PORTABLE_GEMM_DISABLE_SM90={off})" if off is not None else ""))
     lines.append(f"source       {source_commit(m) or 'not built from a git checkout'}")
     return "\n".join(lines)
 

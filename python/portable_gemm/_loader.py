@@ -21,7 +21,7 @@ import torch
 
 from . import _env
 from ._namespace import NAMESPACE, VENDORED, WHO
-from ._variant import Candidate, Selection, select_variant
+from ._variant import Candidate, Selection, parse_version, select_variant
 
 LIB_DIR = Path(__file__).resolve().parent / "lib"
 ENV_TARGET = "PORTABLE_GEMM_TARGET"
@@ -209,6 +209,11 @@ def load(namespace: str = NAMESPACE, lib_dir: Path = LIB_DIR) -> LoadState:
     manifest = read_manifest(lib_dir)
     cpu = _bindings(manifest, "cpu")
     forced = os.environ.get(ENV_TARGET)
+    try:
+        parse_version(torch.__version__)
+    except (ValueError, TypeError) as e:  # a torch build that rewrote its version
+        raise ImportError(f"{WHO}: cannot read the installed torch's version ({e}), so no target can be "
+                          f"chosen for it; torch is at {os.path.dirname(torch.__file__)}") from None
     try:
         selection = select_variant(torch.__version__, list(cpu), forced,
                                    minimum=manifest.get("minimum_torch", "2.9"))
